@@ -1,0 +1,45 @@
+# Every target creates .venv when it is missing, so a fresh clone needs only Python 3.11 and make.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO_SECONDS ?= 60
+BENCH_PROFILE ?= quick
+
+.PHONY: venv install lint test demo bench bench-full clean
+
+venv: $(BIN)/python
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+$(VENV)/.bench-installed: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+	touch $@
+
+install: $(STAMP)
+
+lint: install
+	$(BIN)/ruff check trio_pdrouter tests benchmarks
+	$(BIN)/ruff format --check trio_pdrouter tests benchmarks
+	$(BIN)/mypy --strict trio_pdrouter
+
+test: lint
+	$(BIN)/pytest
+
+demo: install
+	$(BIN)/python -m trio_pdrouter.demo --seconds $(DEMO_SECONDS)
+
+bench: $(VENV)/.bench-installed
+	$(BIN)/python -m benchmarks --profile $(BENCH_PROFILE)
+
+bench-full: $(VENV)/.bench-installed
+	$(BIN)/python -m benchmarks --profile full
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -1,0 +1,96 @@
+"""Real servers on 127.0.0.1 for integration tests: simulators plus a router in front."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+from trio_pdrouter.config import RouterConfig, ServerSettings
+from trio_pdrouter.server import RunningRouter, run_router
+from trio_pdrouter.sim.config import SimConfig
+from trio_pdrouter.sim.server import SimServer
+
+
+@attrs.define
+class Cluster:
+    router: RunningRouter
+    prefill: list[SimServer]
+    decode: list[SimServer]
+    client: httpx.AsyncClient
+
+    @property
+    def url(self) -> str:
+        return self.router.url
+
+    async def stats(self, sim: SimServer) -> dict[str, Any]:
+        resp = await self.client.get(sim.url + "/sim/stats")
+        resp.raise_for_status()
+        result: dict[str, Any] = resp.json()
+        return result
+
+    async def get_loads(self) -> dict[str, dict[str, int]]:
+        resp = await self.client.get(self.url + "/get_loads")
+        result: dict[str, dict[str, int]] = resp.json()
+        return result
+
+    async def all_idle(self) -> bool:
+        """Router ledger all zero and no simulator running or waiting anything."""
+        if self.router.ledger.total():
+            return False
+        for sim in [*self.prefill, *self.decode]:
+            totals = (await self.stats(sim))["totals"]
+            if totals["running"] or totals["waiting"]:
+                return False
+        return True
+
+
+async def eventually(predicate: Callable[[], Any], timeout: float = 10.0) -> None:  # noqa: ASYNC109
+    """Poll an external effect (another server's state) until it holds, within ``timeout``.
+
+    Only for effects no event of ours can observe (a simulator's counters over HTTP, a socket
+    closing in another server); in-process state is awaited with events instead.
+    """
+    with trio.fail_after(timeout):
+        while not await predicate():  # noqa: ASYNC110 - polling a remote server's state
+            await trio.sleep(0.01)
+
+
+async def start_cluster(
+    nursery: trio.Nursery,
+    *,
+    sim: SimConfig | None = None,
+    prefill_sim: SimConfig | None = None,
+    decode_sim: SimConfig | None = None,
+    n_prefill: int = 1,
+    n_decode: int = 1,
+    pd: bool = True,
+    **router: Any,
+) -> Cluster:
+    """Start simulators and a router in ``nursery``; the router gets the sims' URLs."""
+    base = sim or SimConfig.fast(port=0)
+    dp = router.get("dp_size", 1)
+    prefill: list[SimServer] = []
+    decode: list[SimServer] = []
+    if pd:
+        p_cfg = prefill_sim or attrs.evolve(base, role="prefill", dp_size=dp)
+        d_cfg = decode_sim or attrs.evolve(base, role="decode", dp_size=dp)
+        prefill = [SimServer(p_cfg) for _ in range(n_prefill)]
+        decode = [SimServer(d_cfg) for _ in range(n_decode)]
+    else:
+        decode = [SimServer(attrs.evolve(base, role="both", dp_size=dp)) for _ in range(n_decode)]
+    for server in [*prefill, *decode]:
+        await nursery.start(server.run)
+    if pd:
+        router.setdefault("prefill_urls", tuple(s.url for s in prefill))
+        router.setdefault("decode_urls", tuple(s.url for s in decode))
+    else:
+        router.setdefault("worker_urls", tuple(s.url for s in decode))
+    router.setdefault("policy", "round_robin")
+    config = RouterConfig(pd=pd, server=ServerSettings(host="127.0.0.1", port=0), **router)
+    running: RunningRouter = await nursery.start(run_router, config)
+    client = httpx.AsyncClient(timeout=30)
+    return Cluster(running, prefill, decode, client)

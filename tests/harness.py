@@ -1,0 +1,169 @@
+"""In-memory plumbing for router tests: an ASGI client and a scripted upstream transport.
+
+No sockets: the tests drive every ordering of upstream chunks, errors and client disconnects
+deterministically, and can see whether each upstream response was closed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import attrs
+import httpx
+import orjson
+import trio
+
+from trio_pdrouter.app import RouterApp
+from trio_pdrouter.config import RouterConfig
+from trio_pdrouter.server import build_app
+
+Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
+
+
+class ScriptedBody(httpx.AsyncByteStream):
+    """A response body the test feeds: ``push`` bytes, then ``end`` or ``fail``."""
+
+    def __init__(self) -> None:
+        self._send, self._receive = trio.open_memory_channel[bytes | Exception](math.inf)
+        self.closed = False
+        self.read_to_end = False
+
+    def push(self, data: bytes) -> None:
+        self._send.send_nowait(data)
+
+    def fail(self, exc: Exception) -> None:
+        self._send.send_nowait(exc)
+
+    def end(self) -> None:
+        self._send.close()
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for item in self._receive:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+        self.read_to_end = True
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class ScriptedUpstream(httpx.AsyncBaseTransport):
+    """Answers each upstream request with whatever ``handler`` returns; records everything."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.requests: list[httpx.Request] = []
+        self.bodies: list[ScriptedBody] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        await request.aread()
+        self.requests.append(request)
+        response = await self.handler(request)
+        if isinstance(response.stream, ScriptedBody):
+            self.bodies.append(response.stream)
+        return response
+
+    def json_of(self, index: int) -> Any:
+        return orjson.loads(self.requests[index].content)
+
+
+def streaming(
+    status: int = 200, content_type: str = "text/event-stream"
+) -> tuple[httpx.Response, ScriptedBody]:
+    body = ScriptedBody()
+    return httpx.Response(status, headers={"content-type": content_type}, stream=body), body
+
+
+def json_response(payload: Any, status: int = 200) -> httpx.Response:
+    return httpx.Response(status, json=payload)
+
+
+@attrs.define
+class Exchange:
+    """One in-memory request: what the app sent, and a switch to disconnect the client."""
+
+    status: int | None = None
+    headers: dict[str, str] = attrs.Factory(dict)
+    body: bytearray = attrs.Factory(bytearray)
+    complete: bool = False
+    started: trio.Event = attrs.Factory(trio.Event)
+    finished: trio.Event = attrs.Factory(trio.Event)
+    disconnect: trio.Event = attrs.Factory(trio.Event)
+    chunks: int = 0
+
+    def json(self) -> Any:
+        return orjson.loads(bytes(self.body))
+
+
+async def call(
+    app: RouterApp,
+    method: str,
+    path: str,
+    body: Any = None,
+    *,
+    headers: dict[str, str] | None = None,
+    raw: bytes | None = None,
+    exchange: Exchange | None = None,
+) -> Exchange:
+    """Run one request through the app; ``exchange.disconnect.set()`` makes the client leave."""
+    ex = exchange or Exchange()
+    content = raw if raw is not None else (orjson.dumps(body) if body is not None else b"")
+    hdrs = {"content-type": "application/json"} if body is not None else {}
+    hdrs.update(headers or {})
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "headers": [(k.lower().encode(), v.encode()) for k, v in hdrs.items()],
+    }
+    body_sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal body_sent
+        if not body_sent:
+            body_sent = True
+            return {"type": "http.request", "body": content, "more_body": False}
+        await ex.disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            ex.status = message["status"]
+            ex.headers = {k.decode(): v.decode() for k, v in message["headers"]}
+            ex.started.set()
+        elif message["type"] == "http.response.body":
+            ex.body += message.get("body", b"")
+            ex.chunks += 1
+            if not message.get("more_body", False):
+                ex.complete = True
+
+    await app(scope, receive, send)
+    ex.finished.set()
+    return ex
+
+
+def make_app(config: RouterConfig, handler: Handler) -> tuple[RouterApp, ScriptedUpstream]:
+    upstream = ScriptedUpstream(handler)
+    app = build_app(config.validate(), httpx.AsyncClient(transport=upstream))
+    return app, upstream
+
+
+def pd_config(**changes: Any) -> RouterConfig:
+    base = RouterConfig(
+        pd=True,
+        prefill_urls=("http://prefill:8100",),
+        decode_urls=("http://decode:8200",),
+        policy="round_robin",
+    )
+    return attrs.evolve(base, **changes)
+
+
+def loads(app: RouterApp) -> dict[str, dict[str, int]]:
+    return app.routing.ledger.snapshot()
+
+
+def total_load(app: RouterApp) -> int:
+    return app.routing.ledger.total()

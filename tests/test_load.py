@@ -1,0 +1,127 @@
+"""The ledger alone: every lease releases each endpoint exactly once, whatever the order."""
+
+import pytest
+import trio
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from trio_pdrouter.endpoints import Endpoint, Role
+from trio_pdrouter.load import Lease, LoadLedger
+
+P = [Endpoint("http://p:1", Role.PREFILL, r) for r in range(2)]
+D = [Endpoint("http://d:1", Role.DECODE, r) for r in range(3)]
+
+
+def test_lease_charges_at_once_and_releases_each_endpoint_once() -> None:
+    ledger = LoadLedger([*P, *D])
+    lease = ledger.lease(P[0], D[1])
+    assert ledger.load(P[0]) == 1 and ledger.load(D[1]) == 1
+    lease.release(P[0])
+    lease.release(P[0])
+    assert ledger.load(P[0]) == 0
+    with lease:
+        pass
+    assert ledger.total() == 0
+    lease.release(D[1])
+    assert ledger.total() == 0
+
+
+def test_snapshot_is_grouped_by_role_with_url_at_rank_keys() -> None:
+    ledger = LoadLedger([*P, *D, Endpoint("http://w:1", Role.REGULAR)])
+    ledger.lease(D[2])
+    assert ledger.snapshot() == {
+        "prefill": {"http://p:1@0": 0, "http://p:1@1": 0},
+        "decode": {"http://d:1@0": 0, "http://d:1@1": 0, "http://d:1@2": 1},
+        "regular": {"http://w:1": 0},
+    }
+
+
+async def test_async_exit_releases_even_when_cancelled() -> None:
+    ledger = LoadLedger(D)
+    with trio.CancelScope() as scope:
+        async with ledger.lease(D[0]):
+            scope.cancel()
+            await trio.sleep_forever()
+    assert ledger.total() == 0
+
+
+async def test_exception_inside_the_block_releases() -> None:
+    ledger = LoadLedger(D)
+    with pytest.raises(RuntimeError):
+        async with ledger.lease(D[0], D[1]) as lease:
+            lease.release(D[0])
+            raise RuntimeError("boom")
+    assert ledger.total() == 0
+
+
+def test_observers_see_every_change() -> None:
+    ledger = LoadLedger(D)
+    seen: list[tuple[str, int]] = []
+    ledger.observe(lambda ep, n: seen.append((ep.key, n)))
+    with ledger.lease(D[0]):
+        pass
+    assert seen == [("http://d:1@0", 1), ("http://d:1@0", 0)]
+
+
+def test_removed_endpoint_is_forgotten_only_when_idle() -> None:
+    ledger = LoadLedger(D)
+    lease = ledger.lease(D[0])
+    assert not ledger.forget_idle(D[0])
+    lease.release_all()
+    assert ledger.forget_idle(D[0])
+    assert "http://d:1@0" not in ledger.snapshot()["decode"]
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    """Model: each open lease is the set of endpoints it still holds."""
+
+    leases = Bundle("leases")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ledger = LoadLedger([*P, *D])
+        self.model: dict[int, list[Endpoint]] = {}
+
+    @rule(target=leases, p=st.sampled_from(P), d=st.sampled_from(D))
+    def open_pd(self, p: Endpoint, d: Endpoint) -> Lease:
+        lease = self.ledger.lease(p, d)
+        self.model[id(lease)] = [p, d]
+        return lease
+
+    @rule(target=leases, d=st.sampled_from(D))
+    def open_regular(self, d: Endpoint) -> Lease:
+        lease = self.ledger.lease(d)
+        self.model[id(lease)] = [d]
+        return lease
+
+    @rule(lease=leases, which=st.sampled_from([*P, *D]))
+    def release_one(self, lease: Lease, which: Endpoint) -> None:
+        lease.release(which)
+        held = self.model[id(lease)]
+        if which in held:
+            held.remove(which)
+
+    @rule(lease=consumes(leases))
+    def leave_block(self, lease: Lease) -> None:
+        with lease:
+            pass
+        self.model[id(lease)] = []
+
+    @rule(lease=leases)
+    def leave_block_twice(self, lease: Lease) -> None:
+        lease.release_all()
+        lease.release_all()
+        self.model[id(lease)] = []
+
+    @invariant()
+    def counts_equal_the_model(self) -> None:
+        for ep in [*P, *D]:
+            expected = sum(held.count(ep) for held in self.model.values())
+            assert self.ledger.load(ep) == expected >= 0
+
+    def teardown(self) -> None:
+        for held in self.model.values():
+            held.clear()
+
+
+TestLedgerMachine = LedgerMachine.TestCase

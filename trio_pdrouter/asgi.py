@@ -1,0 +1,68 @@
+"""The few ASGI shapes the router uses, and the client side of one exchange."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import attrs
+
+from .errors import RouterError
+
+Message = dict[str, Any]
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Headers = Sequence[tuple[bytes, bytes]]
+
+JSON = b"application/json"
+
+
+@attrs.frozen
+class Reply:
+    """The last message of a response: a whole response if nothing was sent yet, else the tail
+    of the body (``status`` and ``headers`` are then unused)."""
+
+    status: int
+    headers: Headers
+    body: bytes
+
+    @classmethod
+    def error(cls, error: RouterError, headers: Headers = ()) -> Reply:
+        return cls(error.status, [(b"content-type", JSON), *headers], error.body())
+
+    @classmethod
+    def json(cls, body: bytes, status: int = 200) -> Reply:
+        return cls(status, [(b"content-type", JSON)], body)
+
+    @classmethod
+    def tail(cls, body: bytes = b"") -> Reply:
+        return cls(200, (), body)
+
+
+class Downstream:
+    """Sends a response to the client and remembers how far it got."""
+
+    __slots__ = ("_send", "bytes_sent", "started", "status")
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+        self.status = 0
+        self.bytes_sent = 0
+
+    async def start(self, status: int, headers: Headers) -> None:
+        self.started = True
+        self.status = status
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def chunk(self, data: bytes) -> None:
+        self.bytes_sent += len(data)
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def finish(self, reply: Reply) -> None:
+        """Send ``reply`` as the response's last message."""
+        if not self.started:
+            await self.start(reply.status, reply.headers)
+        self.bytes_sent += len(reply.body)
+        await self._send({"type": "http.response.body", "body": reply.body, "more_body": False})

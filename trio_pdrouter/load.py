@@ -1,0 +1,148 @@
+"""The load ledger: how many requests each endpoint is serving, exactly, at every instant.
+
+Rules of this module (everything that changes a counter lives here):
+
+* A counter moves only through a :class:`Lease`. :meth:`LoadLedger.lease` charges every endpoint
+  it is given, synchronously, so a caller that chose endpoints from :meth:`LoadLedger.loads` and
+  leases them in the same synchronous step leaves no checkpoint in which another request could
+  choose from stale loads, and no checkpoint at which a cancellation could skip the charge.
+* Each endpoint held by a lease is released exactly once. The states of one held slot::
+
+      CHARGED --release()--> RELEASED      (counter -1)
+      RELEASED --release()--> RELEASED     (no-op: a second release is not an error)
+
+  ``Lease.__exit__``/``__aexit__`` release every slot still ``CHARGED`` and do so before any
+  await, so no exception or cancellation can leave a slot charged once the ``with`` block is
+  left, and no path can release twice.
+* The ledger is never reset by timers or health checks; an endpoint removed from routing keeps its
+  counter until its last lease is released, so an in-flight request always releases what it took.
+
+Theory of operation for a PD request (SPEC §5)::
+
+    lease = ledger.lease(prefill_ep, decode_ep)   # chosen and charged in one step
+    async with lease:
+        ...prefill leg...; lease.release(prefill_ep)   # body read, failed or cancelled
+        ...decode relay...; lease.release(decode_ep)   # upstream EOF, error, or client gone
+    # anything still charged is released here
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from types import TracebackType
+
+from .endpoints import Endpoint, Role
+
+#: Called with (endpoint, new count) after every change; used by metrics.
+Observer = Callable[[Endpoint, int], None]
+
+
+class LoadLedger:
+    """Per-endpoint in-flight counters."""
+
+    def __init__(self, endpoints: Iterable[Endpoint] = ()) -> None:
+        self._counts: dict[Endpoint, int] = {ep: 0 for ep in endpoints}
+        self._observers: list[Observer] = []
+
+    def add_endpoint(self, endpoint: Endpoint) -> None:
+        self._counts.setdefault(endpoint, 0)
+
+    def forget_idle(self, endpoint: Endpoint) -> bool:
+        """Drop a removed endpoint's counter once nothing holds it; True if it was dropped."""
+        if self._counts.get(endpoint, 0) == 0:
+            self._counts.pop(endpoint, None)
+            return True
+        return False
+
+    def observe(self, observer: Observer) -> None:
+        self._observers.append(observer)
+
+    def load(self, endpoint: Endpoint) -> int:
+        return self._counts.get(endpoint, 0)
+
+    def loads(self, endpoints: Iterable[Endpoint]) -> dict[Endpoint, int]:
+        counts = self._counts
+        return {ep: counts.get(ep, 0) for ep in endpoints}
+
+    def total(self) -> int:
+        return sum(self._counts.values())
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """``{"prefill": {key: n}, "decode": {...}}`` (or ``"regular"``), as ``/get_loads``."""
+        out: dict[str, dict[str, int]] = {}
+        for ep, n in self._counts.items():
+            out.setdefault(ep.role.value, {})[ep.key] = n
+        return out
+
+    def by_role(self, role: Role) -> dict[str, int]:
+        return {ep.key: n for ep, n in self._counts.items() if ep.role is role}
+
+    def lease(self, *endpoints: Endpoint) -> Lease:
+        """Charge each endpoint now and return the lease that will release them."""
+        for ep in endpoints:
+            self._change(ep, +1)
+        return Lease(self, endpoints)
+
+    def _change(self, endpoint: Endpoint, delta: int) -> None:
+        n = self._counts.get(endpoint, 0) + delta
+        if n < 0:  # pragma: no cover - a broken invariant, not a runtime condition
+            raise AssertionError(f"load of {endpoint} would go negative")
+        self._counts[endpoint] = n
+        for observer in self._observers:
+            observer(endpoint, n)
+
+
+class Lease:
+    """The right to one unit of load on each of a few endpoints, released exactly once each.
+
+    Use it as a (sync or async) context manager so that leaving the block releases whatever is
+    still held; release individual endpoints earlier with :meth:`release` as their legs end.
+    """
+
+    __slots__ = ("_held", "_ledger")
+
+    def __init__(self, ledger: LoadLedger, endpoints: Iterable[Endpoint]) -> None:
+        self._ledger = ledger
+        self._held: list[Endpoint] = list(endpoints)
+
+    def holds(self, endpoint: Endpoint) -> bool:
+        return endpoint in self._held
+
+    @property
+    def held(self) -> tuple[Endpoint, ...]:
+        return tuple(self._held)
+
+    def release(self, endpoint: Endpoint) -> None:
+        """CHARGED -> RELEASED for ``endpoint``; a no-op if it was already released."""
+        try:
+            self._held.remove(endpoint)
+        except ValueError:
+            return
+        self._ledger._change(endpoint, -1)
+
+    def release_all(self) -> None:
+        while self._held:
+            self._ledger._change(self._held.pop(), -1)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release_all()
+
+    async def __aenter__(self) -> Lease:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # No await before (or after) the release: a cancelled scope cannot interrupt it.
+        self.release_all()

@@ -1,0 +1,105 @@
+"""Pure request shaping for the two legs of vLLM's NIXL prefill/decode handshake (SPEC §2-§3).
+
+The prefill leg asks for one token and for ``kv_transfer_params`` to hand to decode; the decode
+leg is the client's request as sent plus those params, copied verbatim. Nothing here adds a field
+the client did not send, and nothing rewrites ``remote_host``/``remote_port``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .endpoints import Endpoint
+
+# Fields vLLM reads to run a remote-decode prefill; values per the NIXL connector protocol.
+PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+# Client headers passed on to both legs (lower-case, as ASGI gives them).
+FORWARDED_HEADERS = ("authorization", "traceparent", "tracestate", "baggage")
+DEFAULT_REQUEST_ID_HEADERS = ("x-request-id", "x-correlation-id", "x-trace-id")
+
+
+def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The prefill leg's JSON: one token, no streaming, and a request for KV transfer params."""
+    out = dict(body)
+    out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    out["stream"] = False
+    out.pop("stream_options", None)  # vLLM rejects stream_options without streaming
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    if "max_output_tokens" in out:  # Responses API
+        out["max_output_tokens"] = 1
+    # A minimum above one token would contradict max_tokens=1; decode restores them.
+    out.pop("min_tokens", None)
+    out.pop("min_completion_tokens", None)
+    return out
+
+
+def decode_body(body: Mapping[str, Any], kv_transfer_params: Any) -> dict[str, Any]:
+    """The decode leg's JSON: the client's body as sent, plus the prefill's params verbatim.
+
+    ``kv_transfer_params`` is ``None`` when the prefill's one token was a stop: decode then
+    recomputes the prompt itself, and the field is left out rather than sent as ``null``.
+    """
+    out = dict(body)
+    if kv_transfer_params is None:
+        out.pop("kv_transfer_params", None)
+    else:
+        out["kv_transfer_params"] = kv_transfer_params
+    return out
+
+
+def request_id(
+    headers: Mapping[str, str], names: Iterable[str] = DEFAULT_REQUEST_ID_HEADERS
+) -> str:
+    """The client's request id from the first header present among ``names``, else a new one."""
+    for name in names:
+        value = headers.get(name)
+        if value:
+            return value
+    return uuid.uuid4().hex
+
+
+def p2p_nccl_request_id(prefill: Endpoint, decode: Endpoint) -> str:
+    """vLLM's P2P-NCCL connector finds its peers from the request id itself."""
+    return (
+        f"___prefill_addr_{_host_port(prefill.url)}___decode_addr_{_host_port(decode.url)}"
+        f"_{uuid.uuid4().hex}"
+    )
+
+
+def _host_port(url: str) -> str:
+    return url.split("://", 1)[-1].split("/", 1)[0]
+
+
+def upstream_headers(
+    client_headers: Mapping[str, str],
+    rid: str,
+    endpoint: Endpoint,
+    upstream_api_key: str | None = None,
+) -> dict[str, str]:
+    """Headers for one leg: content type, the shared request id, auth, trace context, DP rank.
+
+    Only these are forwarded, so hop-by-hop headers (``Connection``, ``Keep-Alive``, ``TE``,
+    ``Transfer-Encoding``, ``Upgrade``, ...) and the client's ``Host`` never reach an engine.
+    """
+    out = {"content-type": "application/json", "x-request-id": rid}
+    for name in FORWARDED_HEADERS:
+        value = client_headers.get(name)
+        if value is not None:
+            out[name] = value
+    if upstream_api_key is not None:
+        out["authorization"] = f"Bearer {upstream_api_key}"
+    if endpoint.rank is not None:
+        out["x-data-parallel-rank"] = str(endpoint.rank)
+    return out

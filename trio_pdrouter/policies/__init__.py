@@ -1,0 +1,64 @@
+"""Routing policies, one module each, all pure (see :mod:`._base` for the contract)."""
+
+from __future__ import annotations
+
+import random as _random
+from collections.abc import Sequence
+
+from ..endpoints import Endpoint
+from ._base import Policy, PolicySettings, RoutingKey
+from .cache_aware import CacheAware
+from .consistent_hash import ConsistentHash
+from .power_of_two import PowerOfTwo
+from .radix_tree import RadixTree
+from .random import Random
+from .round_robin import RoundRobin
+from .routing_key import routing_key
+
+__all__ = [
+    "POLICY_NAMES",
+    "CacheAware",
+    "ConsistentHash",
+    "Policy",
+    "PolicySettings",
+    "PowerOfTwo",
+    "RadixTree",
+    "Random",
+    "RoundRobin",
+    "RoutingKey",
+    "make_policy",
+    "routing_key",
+]
+
+POLICY_NAMES = ("round_robin", "random", "power_of_two", "consistent_hash", "cache_aware")
+
+
+def make_policy(
+    name: str,
+    *,
+    stage: str,
+    settings: PolicySettings,
+    endpoints: Sequence[Endpoint],
+    rng: _random.Random | None = None,
+) -> Policy:
+    """Build the policy called ``name`` for one stage over ``endpoints``.
+
+    ``stage`` ("prefill", "decode" or "regular") labels the policy's log lines; ``rng`` is the
+    only source of randomness (pass a seeded one for reproducible tests).
+    """
+    rng = rng or _random.Random()
+    policy: Policy
+    if name == "round_robin":
+        policy = RoundRobin(rng)
+    elif name == "random":
+        policy = Random(rng)
+    elif name == "power_of_two":
+        policy = PowerOfTwo(rng)
+    elif name == "consistent_hash":
+        policy = ConsistentHash(rng, virtual_nodes=settings.virtual_nodes)
+    elif name == "cache_aware":
+        policy = CacheAware(settings, rng, stage=stage)
+    else:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    policy.set_endpoints(endpoints)
+    return policy

@@ -1,0 +1,69 @@
+"""The contract every routing policy keeps.
+
+A policy is pure: no I/O, no awaits, no clocks it did not receive. The router calls
+:meth:`Policy.choose` and charges the returned endpoint in the same synchronous step, so the loads
+a policy sees are exactly the ledger's at that instant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import attrs
+
+from ..endpoints import Endpoint
+
+
+@attrs.frozen
+class RoutingKey:
+    """What a request offers the policies to route on.
+
+    ``text`` is the request's routing text (the prompt, or the chat messages' text; never the
+    serialised JSON with sampling parameters). ``hash_key`` is the session identity that
+    ``consistent_hash`` uses (from ``X-Session-ID``/``X-User-ID``/``X-Tenant-ID`` headers, then the
+    body's ``session_id``/``user``); ``None`` when the request carries none.
+    :func:`trio_pdrouter.policies.routing_key` builds one from a parsed body and its headers.
+    """
+
+    text: str = ""
+    hash_key: str | None = None
+
+
+@attrs.frozen
+class PolicySettings:
+    """Tunables of the policies, with vllm-router's defaults."""
+
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    eviction_interval_secs: float = 120.0
+    max_tree_size: int = 2**25
+    virtual_nodes: int = 160
+
+
+class Policy(Protocol):
+    """A routing policy for one stage (prefill, decode or regular)."""
+
+    name: str
+
+    def choose(
+        self,
+        candidates: Sequence[Endpoint],
+        loads: Mapping[Endpoint, int],
+        key: RoutingKey,
+    ) -> Endpoint:
+        """Pick one of ``candidates`` (non-empty, all healthy and admitted by their breakers).
+
+        ``loads`` holds the ledger's count for every candidate. Ties must not always go to the
+        first candidate.
+        """
+        ...
+
+    def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
+        """Tell the policy every endpoint of its stage, healthy or not; forget removed ones."""
+        ...
+
+    def maintain(self) -> None:
+        """Periodic housekeeping (``cache_aware`` evicts here); called from a background task."""
+        ...

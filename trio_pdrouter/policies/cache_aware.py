@@ -1,0 +1,109 @@
+"""``cache_aware``: send a request where its prefix is probably cached, unless that skews load.
+
+Per decision, over the candidates' ledger loads (SPEC §7, vllm-router compatible)::
+
+    is_unbalanced = (max_load - min_load) > balance_abs_threshold
+                    and max_load > min_load * balance_rel_threshold
+
+* unbalanced: the least-loaded candidate (random among equals);
+* balanced: the candidate owning the longest prefix of the routing text in the
+  :class:`~.radix_tree.RadixTree`; if ``matched_chars / len(text) > cache_threshold`` it wins,
+  otherwise the least-loaded candidate does;
+* empty routing text: the least-loaded candidate.
+
+The text is then inserted under the chosen endpoint, so the tree follows where prompts went.
+:meth:`CacheAware.maintain` trims every endpoint to ``max_tree_size`` characters (least recently
+used first) and :meth:`CacheAware.set_endpoints` forgets endpoints that left the stage.
+
+Each decision logs one debug line on ``trio_pdrouter.policy``::
+
+    stage=decode max_load=9 min_load=2 is_unbalanced=false match_rate=0.812 chosen=http://h:8000@1
+    reason=cache_hit
+
+(one line in the log; wrapped here).
+
+``reason`` is one of ``unbalanced``, ``cache_hit``, ``cache_miss``, ``empty_text``. ``match_rate``
+is always computed, so it also shows what an unbalanced decision gave up.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Mapping, Sequence
+
+from ..endpoints import Endpoint
+from ._base import PolicySettings, RoutingKey
+from ._choice import least_loaded
+from .radix_tree import RadixTree
+
+logger = logging.getLogger("trio_pdrouter.policy")
+
+
+class CacheAware:
+    """Prefix-cache affinity guarded by a load-balance check; see the module docstring."""
+
+    name = "cache_aware"
+
+    def __init__(self, settings: PolicySettings, rng: random.Random, *, stage: str) -> None:
+        self._settings = settings
+        self._rng = rng
+        self._stage = stage
+        self.tree: RadixTree[Endpoint] = RadixTree()
+        self._endpoints: frozenset[Endpoint] = frozenset()
+
+    def choose(
+        self, candidates: Sequence[Endpoint], loads: Mapping[Endpoint, int], key: RoutingKey
+    ) -> Endpoint:
+        s = self._settings
+        values = [loads.get(c, 0) for c in candidates]
+        max_load, min_load = max(values), min(values)
+        is_unbalanced = (
+            max_load - min_load > s.balance_abs_threshold
+            and max_load > min_load * s.balance_rel_threshold
+        )
+        text = key.text
+        match_rate = 0.0
+        matched: Endpoint | None = None
+        if text:
+            matched_chars, matched = self.tree.match(text, eligible=frozenset(candidates))
+            match_rate = matched_chars / len(text)
+        if not text:
+            reason = "empty_text"
+        elif is_unbalanced:
+            reason = "unbalanced"
+        elif matched is not None and match_rate > s.cache_threshold:
+            reason = "cache_hit"
+        else:
+            reason = "cache_miss"
+        if reason == "cache_hit":
+            assert matched is not None
+            chosen = matched
+        else:
+            chosen = least_loaded(candidates, loads, self._rng)
+        if text:
+            self.tree.insert(text, chosen)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "stage=%s max_load=%d min_load=%d is_unbalanced=%s match_rate=%.3f chosen=%s "
+                "reason=%s",
+                self._stage,
+                max_load,
+                min_load,
+                "true" if is_unbalanced else "false",
+                match_rate,
+                chosen.key,
+                reason,
+            )
+        return chosen
+
+    def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
+        current = frozenset(endpoints)
+        # Tenants can also be endpoints the tree saw but this object was never told about.
+        for gone in (self._endpoints | frozenset(self.tree.tenants())) - current:
+            self.tree.remove_tenant(gone)
+        self._endpoints = current
+
+    def maintain(self) -> None:
+        """Evict least-recently-used text so each endpoint keeps at most ``max_tree_size`` chars."""
+        self.tree.evict(self._settings.max_tree_size)

@@ -1,0 +1,214 @@
+"""One simulated vLLM engine (a data-parallel rank): scheduler, timing model, prefix cache.
+
+Theory of operation. A request's life on an engine has these states, and only
+:class:`Engine` moves it between them::
+
+    arrive --acquire()--> WAITING --(slot free, FIFO)--> RUNNING --release()--> done
+                              \\-- cancelled --> gone         \\-- ok / aborted counted
+
+``running`` never exceeds ``max_num_seqs``. A released slot is handed to the oldest waiter in
+the same step (no checkpoint), so a burst cannot overtake the queue. Every counter the
+``/sim/stats`` endpoint reports is a field of :class:`EngineCounters`, changed only here.
+
+All time goes through trio (``trio.sleep``), so in-memory tests may use ``MockClock``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+import attrs
+import trio
+
+from .config import SimConfig
+
+
+class PrefixCache:
+    """An LRU set of block hashes: the engine's automatic prefix cache.
+
+    A prompt's blocks are hashed as a chain (each hash covers the whole prefix up to that
+    block, as vLLM does), so a hit on block ``n`` implies the whole prefix matched. Only full
+    blocks are cached.
+    """
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity = capacity_blocks
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """Number of leading ``hashes`` present; those blocks become most recently used."""
+        hits = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            self._blocks.move_to_end(h)
+            hits += 1
+        return hits
+
+    def insert(self, hashes: Sequence[int]) -> None:
+        """Remember ``hashes`` as most recently used, evicting the least recently used."""
+        for h in hashes:
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+
+    def clear(self) -> None:
+        """Forget every block."""
+        self._blocks.clear()
+
+
+def block_hashes(ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of the full ``block_size``-token blocks of ``ids``."""
+    out: list[int] = []
+    prev = 0
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        prev = hash((prev, tuple(ids[start : start + block_size])))
+        out.append(prev)
+    return out
+
+
+@attrs.define
+class EngineCounters:
+    """The per-engine counters of ``/sim/stats`` that ``POST /sim/reset`` zeroes."""
+
+    peak_running: int = 0
+    completed: int = 0
+    aborted: int = 0
+    pd_ok: int = 0
+    pd_missing: int = 0
+    kv_blocks_leaked: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_queries: int = 0
+    requests: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+class _Waiter:
+    __slots__ = ("event", "granted")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.granted = False
+
+
+class Engine:
+    """One data-parallel rank. See the module docstring for the state machine."""
+
+    def __init__(self, rank: int, config: SimConfig) -> None:
+        self.rank = rank
+        self.config = config
+        self.running = 0
+        self._waiters: deque[_Waiter] = deque()
+        self.counters = EngineCounters()
+        self.cache = PrefixCache(config.prefix_cache_blocks)
+        #: Blocks held for a remote decode (prefill side of NIXL), not yet pulled.
+        self.kv_blocks_held = 0
+        #: Blocks of the requests now running.
+        self.kv_blocks_active = 0
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a slot."""
+        return len(self._waiters)
+
+    @property
+    def load(self) -> int:
+        """What the least-loaded choice compares: running plus waiting."""
+        return self.running + len(self._waiters)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use (running requests plus blocks held for decode)."""
+        used = self.kv_blocks_active + self.kv_blocks_held
+        return min(1.0, used / self.config.num_gpu_blocks)
+
+    async def acquire(self) -> None:
+        """Wait for a running slot, first come first served. Counts the request."""
+        self.counters.requests += 1
+        if self.running < self.config.max_num_seqs and not self._waiters:
+            self._start_running()
+            await trio.lowlevel.checkpoint()
+            return
+        waiter = _Waiter()
+        self._waiters.append(waiter)
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            if waiter.granted:
+                # The slot was handed over in the same step we were cancelled: pass it on.
+                self._free_slot()
+            else:
+                self._waiters.remove(waiter)
+            raise
+
+    def _start_running(self) -> None:
+        self.running += 1
+        self.counters.peak_running = max(self.counters.peak_running, self.running)
+
+    def _free_slot(self) -> None:
+        if self._waiters:
+            waiter = self._waiters.popleft()
+            waiter.granted = True
+            waiter.event.set()  # the slot moves to the waiter: running is unchanged
+        else:
+            self.running -= 1
+
+    def release(self, *, completed: bool, blocks: int) -> None:
+        """Give the slot back; count the request as completed or aborted."""
+        self.kv_blocks_active -= blocks
+        if completed:
+            self.counters.completed += 1
+        else:
+            self.counters.aborted += 1
+        self._free_slot()
+
+    def lookup_prefix(self, hashes: Sequence[int], prompt_tokens: int) -> int:
+        """Cached prompt tokens for a prompt with these block hashes (counts hits/queries).
+
+        Like vLLM, at least the last prompt token is always computed.
+        """
+        hit_blocks = self.cache.match(hashes)
+        cached = min(hit_blocks * self.config.block_size, max(prompt_tokens - 1, 0))
+        self.counters.prefix_cache_queries += prompt_tokens
+        self.counters.prefix_cache_hits += cached
+        return cached
+
+    def prefill_seconds(self, uncached_tokens: int) -> float:
+        """Modelled prefill duration."""
+        return self.config.prefill_base_s + self.config.prefill_per_token_s * uncached_tokens
+
+    def token_seconds(self) -> float:
+        """Modelled time to the next token at the current batch size."""
+        return self.config.itl_base_s + self.config.itl_per_running_s * self.running
+
+    def reset_counters(self) -> None:
+        """Zero the counters (``POST /sim/reset``); in-flight requests are untouched."""
+        self.counters = EngineCounters(peak_running=self.running)
+
+    def stats(self) -> dict[str, int | float]:
+        """This engine's part of ``/sim/stats``."""
+        c = self.counters
+        return {
+            "rank": self.rank,
+            "running": self.running,
+            "waiting": self.waiting,
+            "peak_running": c.peak_running,
+            "completed": c.completed,
+            "aborted": c.aborted,
+            "pd_ok": c.pd_ok,
+            "pd_missing": c.pd_missing,
+            "kv_blocks_held": self.kv_blocks_held,
+            "kv_blocks_leaked": c.kv_blocks_leaked,
+            "prefix_cache_hits": c.prefix_cache_hits,
+            "prefix_cache_queries": c.prefix_cache_queries,
+            "requests": c.requests,
+            "prompt_tokens": c.prompt_tokens,
+            "generation_tokens": c.generation_tokens,
+            "kv_cache_usage_perc": round(self.kv_cache_usage, 6),
+        }

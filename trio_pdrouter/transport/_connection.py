@@ -1,0 +1,244 @@
+"""One HTTP/1.1 client connection: h11 over a trio `SocketStream`.
+
+The contract, in plain primitives:
+
+* `H11Connection.open(host, port, ...)` connects a TCP socket (TCP_NODELAY on).
+* `send_request(request, ...)` writes one request: head, body, end of message.
+* `receive_response_head(request, ...)` returns the `h11.Response` of that request.
+* `next_body_chunk(request, ...)` returns the next piece of the body, or `None` at its
+  clean end; a body that stops short raises, it never looks like a clean end.
+* `finish_cycle()` says whether the connection may carry another request (and arms h11 for
+  it); `close()` drops the socket at once.
+
+Why this layer exists: it is the only code that touches sockets and h11, and it translates
+every failure into httpx's exception types, so the pool and the transport above it reason
+only about "this connection is reusable" or "this connection is gone".
+
+Releasing: a connection is either handed back after `finish_cycle()` returned True, or
+closed with `close()`. `close()` is synchronous on purpose: it runs even inside a cancelled
+scope, before any checkpoint, and the closed socket is what tells vLLM to abort the request.
+
+    conn = await H11Connection.open("127.0.0.1", 8000, connect_timeout=5.0, request=request)
+    try:
+        await conn.send_request(request, write_timeout=5.0)
+        head = await conn.receive_response_head(request, read_timeout=5.0)
+        while (chunk := await conn.next_body_chunk(request, read_timeout=5.0)) is not None:
+            ...
+        reusable = conn.finish_cycle()
+    except BaseException:
+        conn.close()
+        raise
+"""
+
+from __future__ import annotations
+
+import select
+
+import h11
+import httpx
+import trio
+
+__all__ = ["RECEIVE_SIZE", "H11Connection"]
+
+# One socket read. Large enough that a burst of SSE events arrives as one chunk (fewer
+# relay sends downstream), small enough to keep hundreds of streams cheap.
+RECEIVE_SIZE = 65536
+
+# Socket-level failures. trio wraps most OSErrors in BrokenResourceError; ClosedResourceError
+# means our own `close()` (or the transport's aclose) pulled the socket from under a read.
+_IO_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
+class H11Connection:
+    """One HTTP/1.1 connection to one origin, used by one request at a time."""
+
+    __slots__ = ("_h11", "_stream", "closed", "idle_since", "response_started")
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self._stream = stream
+        self._h11 = h11.Connection(our_role=h11.CLIENT)
+        self.closed = False
+        # trio.current_time() when the pool last put the connection on its idle list.
+        self.idle_since = 0.0
+        # True once any byte of the current response has arrived. A reused connection that
+        # fails while this is False was closed by the server while idle: safe to retry.
+        self.response_started = False
+
+    @classmethod
+    async def open(
+        cls, host: str, port: int, *, connect_timeout: float | None, request: httpx.Request
+    ) -> H11Connection:
+        try:
+            if connect_timeout is None:
+                stream = await trio.open_tcp_stream(host, port)
+            else:
+                with trio.fail_after(connect_timeout):
+                    stream = await trio.open_tcp_stream(host, port)
+        except trio.TooSlowError:
+            raise httpx.ConnectTimeout(
+                f"connect to {host}:{port} timed out after {connect_timeout}s", request=request
+            ) from None
+        except OSError as exc:
+            raise httpx.ConnectError(
+                f"connect to {host}:{port} failed: {exc}", request=request
+            ) from exc
+        # trio's SocketStream already enables TCP_NODELAY; nothing more to set here. Without it
+        # a small request head could wait for a delayed ACK (~40 ms) before leaving.
+        return cls(stream)
+
+    # -- sending -------------------------------------------------------------------------
+
+    async def send_request(self, request: httpx.Request, *, write_timeout: float | None) -> None:
+        """Write the request head, its body (Content-Length or chunked, as h11 frames it per the
+        request headers) and the end of message. Small bodies go out in one write with the head."""
+        h = self._h11
+        self.response_started = False
+        stream = request.stream
+        assert isinstance(stream, httpx.AsyncByteStream)
+        try:
+            head = h.send(
+                h11.Request(
+                    method=request.method, target=request.url.raw_path, headers=request.headers.raw
+                )
+            )
+            pending: list[bytes] = [head or b""]
+            size = len(pending[0])
+            async for chunk in stream:
+                if not chunk:
+                    continue
+                pending.append(h.send(h11.Data(data=chunk)) or b"")
+                size += len(chunk)
+                if size >= RECEIVE_SIZE:
+                    await self._write(b"".join(pending), write_timeout, request)
+                    pending.clear()
+                    size = 0
+            pending.append(h.send(h11.EndOfMessage()) or b"")
+        except h11.LocalProtocolError as exc:
+            raise httpx.LocalProtocolError(str(exc), request=request) from exc
+        await self._write(b"".join(pending), write_timeout, request)
+
+    async def _write(
+        self, data: bytes, write_timeout: float | None, request: httpx.Request
+    ) -> None:
+        try:
+            if write_timeout is None:
+                await self._stream.send_all(data)
+            else:
+                # A bare CancelScope rather than trio.fail_after: no generator-based context
+                # manager on the hot path.
+                with trio.CancelScope(deadline=trio.current_time() + write_timeout) as scope:
+                    await self._stream.send_all(data)
+                if scope.cancelled_caught:
+                    raise httpx.WriteTimeout(
+                        f"write timed out after {write_timeout}s", request=request
+                    )
+        except _IO_ERRORS as exc:
+            raise httpx.WriteError(f"write failed: {exc!r}", request=request) from exc
+
+    # -- receiving -----------------------------------------------------------------------
+
+    async def _receive(self, read_timeout: float | None, request: httpx.Request) -> bool:
+        """One socket read fed to h11. Returns False at EOF. The timeout bounds this read only,
+        so a slow stream with steady chunks never times out as a whole."""
+        try:
+            if read_timeout is None:
+                data = await self._stream.receive_some(RECEIVE_SIZE)
+            else:
+                with trio.CancelScope(deadline=trio.current_time() + read_timeout) as scope:
+                    data = await self._stream.receive_some(RECEIVE_SIZE)
+                if scope.cancelled_caught:
+                    raise httpx.ReadTimeout(
+                        f"read timed out after {read_timeout}s", request=request
+                    )
+        except _IO_ERRORS as exc:
+            raise httpx.ReadError(f"read failed: {exc!r}", request=request) from exc
+        if data:
+            self.response_started = True
+        self._h11.receive_data(data)
+        return bool(data)
+
+    def _next_event(
+        self, request: httpx.Request
+    ) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
+        try:
+            return self._h11.next_event()
+        except h11.RemoteProtocolError as exc:
+            # Includes a Content-Length or chunked body cut short by EOF.
+            raise httpx.RemoteProtocolError(str(exc), request=request) from exc
+
+    async def receive_response_head(
+        self, request: httpx.Request, *, read_timeout: float | None
+    ) -> h11.Response:
+        while True:
+            event = self._next_event(request)
+            if event is h11.NEED_DATA:
+                if not await self._receive(read_timeout, request):
+                    # h11's own message for this case names an internal state; say what happened.
+                    raise httpx.RemoteProtocolError(
+                        "server disconnected without sending a response", request=request
+                    )
+            elif type(event) is h11.Response:
+                return event
+            elif type(event) is h11.InformationalResponse:
+                continue  # 100 Continue and friends: the real head follows
+            else:
+                raise httpx.RemoteProtocolError(
+                    f"unexpected event before the response head: {event!r}", request=request
+                )
+
+    async def next_body_chunk(
+        self, request: httpx.Request, *, read_timeout: float | None
+    ) -> bytes | None:
+        """The bytes of the next h11 Data event (one per decoded socket read, not re-buffered),
+        or None at the end of the body."""
+        while True:
+            event = self._next_event(request)
+            if type(event) is h11.Data:
+                data = event.data
+                if data:
+                    # h11 hands out bytearray slices of its buffer; callers are promised bytes.
+                    return data if type(data) is bytes else bytes(data)
+            elif event is h11.NEED_DATA:
+                # At EOF h11 either ends a close-delimited body or raises for a truncated one.
+                await self._receive(read_timeout, request)
+            elif type(event) is h11.EndOfMessage:
+                return None
+            else:
+                raise httpx.RemoteProtocolError(
+                    f"unexpected event in the response body: {event!r}", request=request
+                )
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def finish_cycle(self) -> bool:
+        """After the body's end: True (and h11 is ready for the next request) if the connection
+        can be reused; False if it must be closed (Connection: close, HTTP/1.0, extra bytes)."""
+        h = self._h11
+        if h.our_state is not h11.DONE or h.their_state is not h11.DONE:
+            return False
+        trailing, eof = h.trailing_data
+        if trailing or eof:
+            return False
+        h.start_next_cycle()
+        return True
+
+    def is_readable(self) -> bool:
+        """True if an idle connection has something to read: EOF/RST from a server that closed
+        it, or stray bytes. Either way it cannot carry a new request."""
+        if self.closed:
+            return True
+        try:
+            poller = select.poll()
+            poller.register(self._stream.socket.fileno(), select.POLLIN)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):
+            return True
+
+    def close(self) -> None:
+        """Close the socket now, synchronously (no checkpoint, so it runs in a cancelled scope).
+        Idempotent."""
+        if not self.closed:
+            self.closed = True
+            # Not `await self._stream.aclose()`: that is a checkpoint, and a cancelled caller
+            # would be interrupted before the socket is actually closed.
+            self._stream.socket.close()
