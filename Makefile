@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_SECONDS ?= 60
 BENCH_PROFILE ?= quick
 
-.PHONY: venv install lint test demo bench bench-full clean
+.PHONY: venv install lint test demo bench bench-full bench-vllm-router clean
 
 venv: $(BIN)/python
 
@@ -22,6 +22,17 @@ $(VENV)/.bench-installed: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	touch $@
 
+# vllm-router, for the side-by-side rows, in its own venv so its dependencies leave ours alone.
+# A failed install is not fatal: the benchmarks skip vllm-router's rows and say so.
+VLLM_ROUTER_VENV := .venv-bench-vllm-router
+VLLM_ROUTER_VERSION ?= 0.1.17
+
+bench-vllm-router:
+	@test -x $(VLLM_ROUTER_VENV)/bin/vllm-router || \
+	  ( $(PYTHON) -m venv $(VLLM_ROUTER_VENV) && \
+	    $(VLLM_ROUTER_VENV)/bin/python -m pip install --quiet 'vllm-router==$(VLLM_ROUTER_VERSION)' ) || \
+	  echo "vllm-router could not be installed: its benchmark rows will be skipped"
+
 install: $(STAMP)
 
 lint: install
@@ -35,10 +46,10 @@ test: lint
 demo: install
 	$(BIN)/python -m trio_pdrouter.demo --seconds $(DEMO_SECONDS)
 
-bench: $(VENV)/.bench-installed
+bench: $(VENV)/.bench-installed bench-vllm-router
 	$(BIN)/python -m benchmarks --profile $(BENCH_PROFILE)
 
-bench-full: $(VENV)/.bench-installed
+bench-full: $(VENV)/.bench-installed bench-vllm-router
 	$(BIN)/python -m benchmarks --profile full
 
 clean:

@@ -93,9 +93,29 @@ class Exchange:
     finished: trio.Event = attrs.Factory(trio.Event)
     disconnect: trio.Event = attrs.Factory(trio.Event)
     chunks: int = 0
+    #: Set while the client drains its socket; cleared by :meth:`stop_reading`.
+    draining: trio.Event = attrs.Factory(trio.Event)
+
+    def __attrs_post_init__(self) -> None:
+        self.draining.set()
 
     def json(self) -> Any:
         return orjson.loads(bytes(self.body))
+
+    def stop_reading(self) -> None:
+        """From now on the app's ``send()`` blocks (uncancellably, as in hypercorn) until the
+        client reads again or leaves."""
+        if self.draining.is_set():
+            self.draining = trio.Event()
+
+    def resume_reading(self) -> None:
+        self.draining.set()
+
+    def leave(self) -> None:
+        """The client goes away: ``http.disconnect`` is delivered and a blocked ``send()``
+        returns (hypercorn's send to a dead client silently succeeds)."""
+        self.disconnect.set()
+        self.draining.set()
 
 
 async def call(
@@ -108,7 +128,11 @@ async def call(
     raw: bytes | None = None,
     exchange: Exchange | None = None,
 ) -> Exchange:
-    """Run one request through the app; ``exchange.disconnect.set()`` makes the client leave."""
+    """Run one request through the app.
+
+    ``exchange.disconnect.set()`` (or ``exchange.leave()``) makes the client leave;
+    ``exchange.stop_reading()`` makes it stop draining its socket.
+    """
     ex = exchange or Exchange()
     content = raw if raw is not None else (orjson.dumps(body) if body is not None else b"")
     hdrs = {"content-type": "application/json"} if body is not None else {}
@@ -139,6 +163,11 @@ async def call(
             ex.chunks += 1
             if not message.get("more_body", False):
                 ex.complete = True
+        if not ex.draining.is_set():
+            # The bytes sit in the socket buffer and the send waits for the client to drain
+            # it; hypercorn shields that wait, so no cancellation gets in.
+            with trio.CancelScope(shield=True):
+                await ex.draining.wait()
 
     await app(scope, receive, send)
     ex.finished.set()

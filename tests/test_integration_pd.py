@@ -85,7 +85,8 @@ async def test_client_disconnect_mid_stream_aborts_the_engine_and_releases_load(
 
         await eventually(engine_aborted)
         await eventually(c.all_idle)
-        assert await c.get_loads() == {
+        loads = await c.get_loads()
+        assert {role: loads[role] for role in ("prefill", "decode")} == {
             "prefill": {c.prefill[0].url: 0},
             "decode": {c.decode[0].url: 0},
         }
@@ -245,7 +246,7 @@ async def test_get_loads_matches_engines_during_50_streams() -> None:
             release.set()
         await eventually(c.all_idle, timeout=20)
         loads = await c.get_loads()
-        assert all(n == 0 for role in loads.values() for n in role.values())
+        assert all(n == 0 for role in ("prefill", "decode") for n in loads[role].values())
         nursery.cancel_scope.cancel()
 
 

@@ -54,6 +54,24 @@ async def test_exception_inside_the_block_releases() -> None:
     assert ledger.total() == 0
 
 
+def test_pending_decode_counts_in_load_but_not_in_visible_until_sent() -> None:
+    ledger = LoadLedger([*P, *D])
+    visible: list[tuple[str, int]] = []
+    ledger.observe_visible(lambda ep, n: visible.append((ep.key, n)))
+    lease = ledger.lease(P[0], D[0], pending=(D[0],))
+    assert ledger.load(D[0]) == 1 and ledger.visible(D[0]) == 0
+    lease.sent(D[0])
+    assert ledger.visible(D[0]) == 1
+    lease.sent(D[0])  # once only
+    lease.release_all()
+    assert ledger.visible(D[0]) == 0 and ledger.total() == 0
+    decode_seen = [n for key, n in visible if key == "http://d:1@0"]
+    assert decode_seen == [1, 0]  # visible only once sent, then released
+    # A pending slot released without being sent never becomes visible.
+    ledger.lease(D[1], pending=(D[1],)).release_all()
+    assert ledger.visible(D[1]) == 0 and ledger.load(D[1]) == 0
+
+
 def test_observers_see_every_change() -> None:
     ledger = LoadLedger(D)
     seen: list[tuple[str, int]] = []
@@ -81,12 +99,21 @@ class LedgerMachine(RuleBasedStateMachine):
         super().__init__()
         self.ledger = LoadLedger([*P, *D])
         self.model: dict[int, list[Endpoint]] = {}
+        self.pending: dict[int, list[Endpoint]] = {}
 
     @rule(target=leases, p=st.sampled_from(P), d=st.sampled_from(D))
     def open_pd(self, p: Endpoint, d: Endpoint) -> Lease:
-        lease = self.ledger.lease(p, d)
+        lease = self.ledger.lease(p, d, pending=(d,))
         self.model[id(lease)] = [p, d]
+        self.pending[id(lease)] = [d]
         return lease
+
+    @rule(lease=leases, which=st.sampled_from([*P, *D]))
+    def send(self, lease: Lease, which: Endpoint) -> None:
+        lease.sent(which)
+        pending = self.pending.get(id(lease), [])
+        if which in pending:
+            pending.remove(which)
 
     @rule(target=leases, d=st.sampled_from(D))
     def open_regular(self, d: Endpoint) -> Lease:
@@ -100,28 +127,37 @@ class LedgerMachine(RuleBasedStateMachine):
         held = self.model[id(lease)]
         if which in held:
             held.remove(which)
+            pending = self.pending.get(id(lease), [])
+            if which in pending:
+                pending.remove(which)
 
     @rule(lease=consumes(leases))
     def leave_block(self, lease: Lease) -> None:
         with lease:
             pass
         self.model[id(lease)] = []
+        self.pending[id(lease)] = []
 
     @rule(lease=leases)
     def leave_block_twice(self, lease: Lease) -> None:
         lease.release_all()
         lease.release_all()
         self.model[id(lease)] = []
+        self.pending[id(lease)] = []
 
     @invariant()
     def counts_equal_the_model(self) -> None:
         for ep in [*P, *D]:
             expected = sum(held.count(ep) for held in self.model.values())
             assert self.ledger.load(ep) == expected >= 0
+            unsent = sum(p.count(ep) for p in self.pending.values())
+            assert self.ledger.visible(ep) == expected - unsent >= 0
 
     def teardown(self) -> None:
         for held in self.model.values():
             held.clear()
+        for pending in self.pending.values():
+            pending.clear()
 
 
 TestLedgerMachine = LedgerMachine.TestCase

@@ -202,15 +202,23 @@ async def test_stream_that_ends_without_done_is_reported() -> None:
 
 
 @pytest.mark.parametrize(
-    ("prefill", "status", "error_type"),
+    ("prefill", "status", "error_type", "attempts"),
     [
-        (lambda: json_response({"error": {"message": "bad", "code": 400}}, 400), 400, None),
-        (lambda: json_response({"error": "boom"}, 500), 502, "upstream_error"),
-        (lambda: json_response({"error": "busy"}, 503), 502, "upstream_error"),
-        (lambda: httpx.Response(200, content=b"not json"), 502, "upstream_error"),
+        (lambda: json_response({"error": {"message": "bad", "code": 400}}, 400), 400, None, 1),
+        (lambda: json_response({"error": "boom"}, 500), 502, "upstream_error", 5),
+        (lambda: json_response({"error": "busy"}, 503), 502, "upstream_error", 5),
+        (lambda: httpx.Response(200, content=b"not json"), 502, "upstream_error", 1),
     ],
 )
-async def test_prefill_answers_are_mapped(prefill, status: int, error_type: str | None) -> None:  # type: ignore[no-untyped-def]
+async def test_prefill_answers_are_mapped(  # type: ignore[no-untyped-def]
+    prefill,
+    status: int,
+    error_type: str | None,
+    attempts: int,
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """4xx passes through at once; 5xx is retried (5 attempts by default), then a 502."""
+
     async def handler(request: httpx.Request) -> httpx.Response:
         assert request.url.host == "prefill", "decode must not run after a failed prefill"
         return prefill()
@@ -223,7 +231,7 @@ async def test_prefill_answers_are_mapped(prefill, status: int, error_type: str 
         assert body == {"error": {"message": "bad", "code": 400}}  # passed through unchanged
     else:
         assert body["error"]["type"] == error_type and body["error"]["code"] == status
-    assert len(upstream.requests) == 1
+    assert len(upstream.requests) == attempts
     assert total_load(app) == 0
 
 
@@ -235,7 +243,9 @@ async def test_prefill_answers_are_mapped(prefill, status: int, error_type: str 
         (httpx.RemoteProtocolError("garbage"), 502),
     ],
 )
-async def test_prefill_transport_errors(exc: Exception, status: int) -> None:
+async def test_prefill_transport_errors(
+    exc: Exception, status: int, autojump_clock: trio.testing.MockClock
+) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         raise exc
 

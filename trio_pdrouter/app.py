@@ -10,15 +10,21 @@ import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import unquote
 
 import httpx
 import orjson
+import trio
 
 from . import errors, pd
 from .asgi import Downstream, Receive, Reply, Scope, Send
+from .breaker import Breakers
 from .config import RouterConfig
 from .endpoints import Role
+from .engine_truth import EngineTruth
 from .errors import RouterError
+from .health import HealthBoard
+from .metrics import CONTENT_TYPE, RouterMetrics
 from .policies.routing_key import routing_key
 from .proxy import Inference, Proxy, RequestRecord
 from .routing import Routing
@@ -29,6 +35,7 @@ Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 INFERENCE_ROUTES = ("/v1/completions", "/v1/chat/completions")
 OPEN_ROUTES = frozenset({"/health", "/liveness", "/readiness"})
+WORKER_PREFIX = "/workers/"
 
 
 class BadRequest(Exception):
@@ -45,22 +52,34 @@ class RouterApp:
         proxy: Proxy,
         client: httpx.AsyncClient,
         on_request: Callable[[RequestRecord], None] | None = None,
+        metrics: RouterMetrics | None = None,
+        engine_truth: EngineTruth | None = None,
     ) -> None:
         self._config = config
+        self.metrics = metrics
+        self.engine_truth = engine_truth
         self.routing = routing
-        self._proxy = proxy
+        self.proxy = proxy
         self._client = client
         self._on_request = on_request
+        #: Health probes and circuit breakers, when the router runs them (shown by /workers).
+        self.health: HealthBoard | None = None
+        self.breakers: Breakers | None = None
+        #: Called with a server URL added or removed at runtime (health checks follow it).
+        self.on_worker_added: Callable[[str], None] | None = None
+        self.on_worker_removed: Callable[[str], None] | None = None
         self.routes: dict[str, dict[str, Handler]] = {
             "/health": {"GET": self._health},
             "/liveness": {"GET": self._health},
             "/readiness": {"GET": self._readiness},
             "/get_loads": {"GET": self._get_loads},
-            "/workers": {"GET": self._workers},
+            "/workers": {"GET": self._workers, "POST": self._add_worker},
             "/v1/models": {"GET": self._models},
         }
         for path in INFERENCE_ROUTES:
             self.routes[path] = {"POST": self._inference}
+        if metrics is not None:
+            self.routes["/metrics"] = {"GET": self._metrics}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -70,6 +89,8 @@ class RouterApp:
             return
         path: str = scope["path"]
         methods = self.routes.get(path)
+        if methods is None and path.startswith(WORKER_PREFIX):
+            methods = {"DELETE": self._remove_worker}
         if methods is None:
             await _reply(send, Reply.error(errors.not_found(path)))
             return
@@ -89,27 +110,32 @@ class RouterApp:
 
     async def _inference(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = _headers(scope)
+        if self._config.api_key is not None:
+            # The client's Authorization carried the router's own key (checked in __call__);
+            # it is not the engines' business. --upstream-api-key sets theirs.
+            headers.pop("authorization", None)
+        started = trio.current_time()
         try:
             inference = await self._parse(scope, headers, receive)
         except BadRequest as exc:
-            await _reply(send, Reply.error(exc.error))
-            return
-        if inference is None:  # the client left while sending its body
-            return
-        record = await self._proxy.handle(inference, receive, send)
-        log.info(
-            "request_id=%s route=%s stream=%s prefill=%s decode=%s status=%d outcome=%s"
-            " prefill_ms=%s ttfb_ms=%s",
-            record.request_id,
-            record.route,
-            record.stream,
-            record.prefill,
-            record.decode,
-            record.status,
-            record.outcome,
-            _ms(record.prefill_ms),
-            _ms(record.ttfb_ms),
-        )
+            reply = Reply.error(exc.error)
+            await _reply(send, reply)
+            record = RequestRecord(
+                pd.request_id(headers, self._config.request_id_headers),
+                scope["path"],
+                False,
+                started,
+                status=reply.status,
+                outcome="bad_request",
+                total_ms=(trio.current_time() - started) * 1000,
+                bytes_out=len(reply.body),
+            )
+        else:
+            if inference is None:  # the client left while sending its body: nobody to answer
+                return
+            record = await self.proxy.handle(inference, receive, send)
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s", access_line(record))
         if self._on_request is not None:
             self._on_request(record)
 
@@ -121,7 +147,8 @@ class RouterApp:
             raise BadRequest(errors.unsupported_media_type(ctype))
         limit = self._config.max_payload_size
         declared = headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
+        # isascii: "²".isdigit() is true, and int() refuses it.
+        if declared and declared.isascii() and declared.isdigit() and int(declared) > limit:
             raise BadRequest(errors.payload_too_large(limit))
         raw = await _read_body(receive, limit)
         if raw is None:
@@ -159,24 +186,90 @@ class RouterApp:
         loads: dict[str, Any] = {
             role.value: self.routing.ledger.by_role(role) for role in self.routing.endpoints
         }
+        truth = self.engine_truth
+        if truth is not None:  # beside the integer maps, so existing readers are unaffected
+            loads["engine"] = truth.engine_totals()
+            loads["drift"] = dict(truth.drift)
         await _reply(send, Reply.json(orjson.dumps(loads)))
 
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        assert self.metrics is not None  # the route exists only with metrics
+        body = self.metrics.exposition()
+        await _reply(send, Reply(200, [(b"content-type", CONTENT_TYPE.encode())], body))
+
     async def _workers(self, scope: Scope, receive: Receive, send: Send) -> None:
-        healthy = set()
+        routable = set()
         for role in self.routing.endpoints:
-            healthy.update(self.routing.candidates(role))
+            routable.update(self.routing.candidates(role))
         workers = [
             {
                 "url": ep.url,
                 "key": ep.key,
                 "role": ep.role.value,
                 "rank": ep.rank,
-                "healthy": ep in healthy,
+                "healthy": self.health.is_healthy(ep) if self.health is not None else True,
+                "circuit": self.breakers.state(ep) if self.breakers is not None else "closed",
+                "routable": ep in routable,
                 "load": self.routing.ledger.load(ep),
             }
             for ep in self.routing.all_endpoints()
         ]
         await _reply(send, Reply.json(orjson.dumps({"workers": workers})))
+
+    async def _add_worker(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /workers {"url": ..., "role": "prefill"|"decode"|"regular"}``.
+
+        The new server takes traffic once a health probe has passed (at once when health
+        checks are off).
+        """
+        try:
+            raw = await _read_body(receive, 64 * 1024)
+            body = orjson.loads(raw or b"null")
+        except (BadRequest, orjson.JSONDecodeError):
+            body = None
+        url, role_name = (body.get("url"), body.get("role")) if isinstance(body, dict) else (0, 0)
+        if not isinstance(url, str) or role_name not in {r.value for r in Role}:
+            error = errors.bad_request(
+                'expected {"url": "http://host:port", "role": "prefill" | "decode" | "regular"}'
+            )
+            await _reply(send, Reply.error(error))
+            return
+        try:
+            added = self.routing.add_url(url, Role(role_name))
+        except KeyError:
+            error = errors.RouterError(409, f"{url} is already a worker", "conflict_error")
+            await _reply(send, Reply.error(error))
+            return
+        except ValueError as exc:
+            await _reply(send, Reply.error(errors.bad_request(str(exc), "url")))
+            return
+        if self.on_worker_added is not None:
+            self.on_worker_added(added[0].url)
+        log.info("worker_added url=%s role=%s endpoints=%d", added[0].url, role_name, len(added))
+        payload = {"url": added[0].url, "role": role_name, "endpoints": [ep.key for ep in added]}
+        await _reply(send, Reply.json(orjson.dumps(payload), status=201))
+
+    async def _remove_worker(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``DELETE /workers/{url}``: stop routing to it, wait for its requests, forget it."""
+        url = unquote(scope["path"][len(WORKER_PREFIX) :]).rstrip("/")
+        removed = self.routing.remove_url(url)
+        if not removed:
+            await _reply(send, Reply.error(errors.not_found(f"worker {url}")))
+            return
+        if self.on_worker_removed is not None:
+            self.on_worker_removed(url)
+        if self.breakers is not None:
+            for ep in removed:
+                self.breakers.forget(ep)
+        ledger = self.routing.ledger
+        with trio.move_on_after(self._config.server.graceful_timeout):
+            await ledger.wait_idle(removed)
+        in_flight = sum(ledger.load(ep) for ep in removed)
+        for ep in removed:
+            ledger.forget_idle(ep)
+        log.info("worker_removed url=%s in_flight=%d", url, in_flight)
+        payload = {"removed": [ep.key for ep in removed], "in_flight": in_flight}
+        await _reply(send, Reply.json(orjson.dumps(payload), status=200 if not in_flight else 202))
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The model list of the first upstream that answers; never a 500 for one that is down."""
@@ -239,6 +332,33 @@ def _authorized(scope: Scope, api_key: str) -> bool:
         if name.lower() == b"authorization":
             return hmac.compare_digest(value, b"Bearer " + api_key.encode())
     return False
+
+
+def access_line(rec: RequestRecord) -> str:
+    """The access log line of one request: ``key=value`` pairs, ``-`` for what did not happen,
+    values with spaces, quotes or ``=`` in JSON quotes."""
+    fields = (
+        ("request_id", _quoted(rec.request_id)),
+        ("route", rec.route),
+        ("stream", "true" if rec.stream else "false"),
+        ("prefill", rec.prefill or "-"),
+        ("decode", rec.decode or "-"),
+        ("status", str(rec.status)),
+        ("outcome", rec.outcome),
+        ("prefill_ms", _ms(rec.prefill_ms)),
+        ("ttfb_ms", _ms(rec.ttfb_ms)),
+        ("total_ms", _ms(rec.total_ms)),
+        ("bytes", str(rec.bytes_out)),
+        ("retries", str(rec.retries)),
+    )
+    return " ".join(f"{key}={value}" for key, value in fields)
+
+
+def _quoted(value: str) -> str:
+    # Request ids come from clients: keep the line splittable on spaces whatever they send.
+    if value and all(c.isprintable() and not c.isspace() and c not in '"=' for c in value):
+        return value
+    return orjson.dumps(value).decode()
 
 
 def _ms(value: float | None) -> str:

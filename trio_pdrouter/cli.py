@@ -179,6 +179,32 @@ def build_parser() -> argparse.ArgumentParser:
         " decode chunks; never a stream that keeps producing",
     )
     g.add_argument(
+        "--prefill-timeout-secs",
+        type=float,
+        default=None,
+        help="limit on the whole prefill leg (default: --request-timeout-secs)",
+    )
+    g.add_argument(
+        "--decode-first-byte-timeout-secs",
+        type=float,
+        default=None,
+        help="limit from sending the decode leg to its first byte; for a non-streaming request"
+        " that is the whole answer (default: --request-timeout-secs)",
+    )
+    g.add_argument(
+        "--decode-idle-timeout-secs",
+        type=float,
+        default=None,
+        help="longest gap between two chunks of a decode stream (default: --request-timeout-secs)",
+    )
+    g.add_argument(
+        "--release-stranded-kv",
+        action=argparse.BooleanOptionalAction,
+        default=d.release_stranded_kv,
+        help="when a client leaves after prefill answered but before decode did, send decode a"
+        " one-token request so the prefill engine frees the KV blocks at once",
+    )
+    g.add_argument(
         "--connect-timeout-secs",
         type=float,
         default=d.timeouts.connect,
@@ -201,7 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("resilience")
     r = d.retry
-    g.add_argument("--retry-max-retries", type=int, default=r.max_retries, help="attempts per leg")
+    g.add_argument(
+        "--retry-max-retries",
+        type=int,
+        default=r.max_retries,
+        help="attempts per request in all (1 = no retry). Prefill is retried on another"
+        " endpoint after connection errors, 5xx, 429 and timeouts; decode only before the"
+        " client got a byte, and then with a fresh prefill",
+    )
     g.add_argument("--retry-initial-backoff-ms", type=int, default=r.initial_backoff_ms)
     g.add_argument("--retry-max-backoff-ms", type=int, default=r.max_backoff_ms)
     g.add_argument("--retry-backoff-multiplier", type=float, default=r.backoff_multiplier)
@@ -294,6 +327,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--prometheus-port", type=int, default=None, help="port of the separate /metrics listener"
     )
+    g.add_argument(
+        "--engine-metrics-interval",
+        type=float,
+        default=d.engine_metrics_interval,
+        metavar="SECS",
+        help="scrape each upstream's /metrics this often and compare the engines' running and"
+        " waiting requests with the router's load ('engine' and 'drift' in /get_loads,"
+        " trio_pdrouter_load_drift); 0 turns it off",
+    )
     p.add_argument("--release-decode-at-headers", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -328,7 +370,14 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             keep_alive_timeout=args.keep_alive_timeout_secs,
             graceful_timeout=args.graceful_timeout_secs,
         ),
-        timeouts=Timeouts(connect=args.connect_timeout_secs, request=args.request_timeout_secs),
+        timeouts=Timeouts(
+            connect=args.connect_timeout_secs,
+            request=args.request_timeout_secs,
+            prefill=args.prefill_timeout_secs,
+            first_byte=args.decode_first_byte_timeout_secs,
+            idle=args.decode_idle_timeout_secs,
+        ),
+        release_stranded_kv=args.release_stranded_kv,
         retry=RetrySettings(
             max_retries=1 if args.disable_retries else args.retry_max_retries,
             initial_backoff_ms=args.retry_initial_backoff_ms,
@@ -364,6 +413,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_buffered_bytes=args.max_buffered_bytes,
         prometheus_host=args.prometheus_host,
         prometheus_port=args.prometheus_port,
+        engine_metrics_interval=args.engine_metrics_interval,
         log_level=args.log_level,
         release_decode_at_headers=args.release_decode_at_headers,
     ).validate()

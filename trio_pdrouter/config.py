@@ -17,19 +17,42 @@ class ConfigError(ValueError):
 
 @attrs.frozen
 class Timeouts:
-    """Upstream time limits in seconds (``None`` = no limit).
+    """Upstream time limits in seconds.
 
-    ``--request-timeout-secs`` bounds the prefill leg as a whole, the decode leg's wait for its
-    response head, and every gap between two decode reads. It never bounds a stream that keeps
-    producing, however long it runs.
+    ``--request-timeout-secs`` is the default of the three limits below; none of them bounds a
+    stream that keeps producing, however long it runs:
+
+    * ``prefill``: the whole prefill leg (request sent, JSON answer read);
+    * ``first_byte``: from sending the decode leg to its response head (for a non-streaming
+      request, which vLLM answers in one piece, that is the whole answer);
+    * ``idle``: the longest gap between two reads of a decode stream.
+
+    A limit hit before the client got a byte is a 504 (and may be retried); after, the stream
+    ends with an SSE error event and ``[DONE]``.
     """
 
     connect: float = 10.0
     request: float = 1800.0
+    prefill: float | None = None
+    first_byte: float | None = None
+    idle: float | None = None
+
+    @property
+    def prefill_limit(self) -> float:
+        return self.request if self.prefill is None else self.prefill
+
+    @property
+    def first_byte_limit(self) -> float:
+        return self.request if self.first_byte is None else self.first_byte
+
+    @property
+    def idle_limit(self) -> float:
+        return self.request if self.idle is None else self.idle
 
 
 @attrs.frozen
 class RetrySettings:
+    #: Attempts per request in all (vllm-router's meaning: 1 = no retry).
     max_retries: int = 5
     initial_backoff_ms: int = 50
     max_backoff_ms: int = 30_000
@@ -100,8 +123,14 @@ class RouterConfig:
     #: Bytes of decode output the router buffers for a client that reads slower than the engine
     #: writes; past it the client is treated as gone (the engine is aborted, the load released).
     max_buffered_bytes: int = 16 * 1024 * 1024
+    #: If the client leaves after prefill answered but before decode answered, send decode a
+    #: one-token request with the prefill's KV params, so the prefill engine frees its blocks
+    #: now instead of at vLLM's KV timeout.
+    release_stranded_kv: bool = True
     prometheus_host: str | None = None
     prometheus_port: int | None = None
+    #: Seconds between scrapes of each upstream's ``/metrics`` (engine truth); 0 = off.
+    engine_metrics_interval: float = 1.0
     log_level: str = "info"
     #: Test-only: reproduce the historic bug (decode load released when its headers arrive).
     release_decode_at_headers: bool = False
@@ -157,8 +186,13 @@ class RouterConfig:
             raise ConfigError(f"--upstream-transport must be one of {', '.join(TRANSPORTS)}")
         if self.max_payload_size < 1:
             raise ConfigError("--max-payload-size must be positive")
-        if self.timeouts.request <= 0 or self.timeouts.connect <= 0:
+        t = self.timeouts
+        if min(t.request, t.connect, t.prefill_limit, t.first_byte_limit, t.idle_limit) <= 0:
             raise ConfigError("timeouts must be positive")
+        if self.retry.max_retries < 1:
+            raise ConfigError("--retry-max-retries must be at least 1 (1 = no retry)")
+        if not self.engine_metrics_interval >= 0:  # also refuses NaN
+            raise ConfigError("--engine-metrics-interval must be 0 (off) or a positive number")
         try:
             self.endpoints()
         except ValueError as exc:

@@ -8,10 +8,14 @@ Rules of this module (everything that changes a counter lives here):
   choose from stale loads, and no checkpoint at which a cancellation could skip the charge.
 * Each endpoint held by a lease is released exactly once. The states of one held slot::
 
-      CHARGED --release()--> RELEASED      (counter -1)
-      RELEASED --release()--> RELEASED     (no-op: a second release is not an error)
+      PENDING --sent()--> CHARGED --release()--> RELEASED   (counter -1)
+      PENDING --release()----------------------> RELEASED   (counter -1)
+      CHARGED/RELEASED --sent()--> unchanged;  RELEASED --release()--> RELEASED  (no-ops)
 
-  ``Lease.__exit__``/``__aexit__`` release every slot still ``CHARGED`` and do so before any
+  Every state but RELEASED counts in the load. PENDING marks a decode slot charged at choice
+  whose request has not been sent yet (its prefill is running): the engine cannot see it, so
+  :meth:`LoadLedger.visible` leaves it out when the router's load is compared with the engine's.
+  ``Lease.__exit__``/``__aexit__`` release every slot not yet RELEASED and do so before any
   await, so no exception or cancellation can leave a slot charged once the ``with`` block is
   left, and no path can release twice.
 * The ledger is never reset by timers or health checks; an endpoint removed from routing keeps its
@@ -19,9 +23,10 @@ Rules of this module (everything that changes a counter lives here):
 
 Theory of operation for a PD request (SPEC §5)::
 
-    lease = ledger.lease(prefill_ep, decode_ep)   # chosen and charged in one step
+    lease = ledger.lease(prefill_ep, decode_ep, pending=(decode_ep,))  # chosen and charged
     async with lease:
         ...prefill leg...; lease.release(prefill_ep)   # body read, failed or cancelled
+        lease.sent(decode_ep)                          # the decode leg goes out
         ...decode relay...; lease.release(decode_ep)   # upstream EOF, error, or client gone
     # anything still charged is released here
 """
@@ -30,6 +35,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from types import TracebackType
+
+import trio
 
 from .endpoints import Endpoint, Role
 
@@ -42,7 +49,10 @@ class LoadLedger:
 
     def __init__(self, endpoints: Iterable[Endpoint] = ()) -> None:
         self._counts: dict[Endpoint, int] = {ep: 0 for ep in endpoints}
+        self._pending: dict[Endpoint, int] = {}
         self._observers: list[Observer] = []
+        self._visible_observers: list[Observer] = []
+        self._idle_waiters: dict[Endpoint, trio.Event] = {}
 
     def add_endpoint(self, endpoint: Endpoint) -> None:
         self._counts.setdefault(endpoint, 0)
@@ -54,8 +64,27 @@ class LoadLedger:
             return True
         return False
 
+    async def wait_idle(self, endpoints: Iterable[Endpoint]) -> None:
+        """Return once nothing holds any of ``endpoints`` (used to drain a removed server)."""
+        for ep in endpoints:
+            while self._counts.get(ep, 0):
+                event = self._idle_waiters.setdefault(ep, trio.Event())
+                await event.wait()
+
     def observe(self, observer: Observer) -> None:
+        """Call ``observer(endpoint, load)`` after every change of an endpoint's load."""
         self._observers.append(observer)
+
+    def observe_visible(self, observer: Observer) -> None:
+        """Call ``observer(endpoint, visible)`` after every change of :meth:`visible`."""
+        self._visible_observers.append(observer)
+
+    def visible(self, endpoint: Endpoint) -> int:
+        """Load the engine can see: the slots whose request has been sent."""
+        return self._counts.get(endpoint, 0) - self._pending.get(endpoint, 0)
+
+    def visible_loads(self, endpoints: Iterable[Endpoint]) -> dict[Endpoint, int]:
+        return {ep: self.visible(ep) for ep in endpoints}
 
     def load(self, endpoint: Endpoint) -> int:
         return self._counts.get(endpoint, 0)
@@ -77,19 +106,39 @@ class LoadLedger:
     def by_role(self, role: Role) -> dict[str, int]:
         return {ep.key: n for ep, n in self._counts.items() if ep.role is role}
 
-    def lease(self, *endpoints: Endpoint) -> Lease:
-        """Charge each endpoint now and return the lease that will release them."""
-        for ep in endpoints:
-            self._change(ep, +1)
-        return Lease(self, endpoints)
+    def lease(self, *endpoints: Endpoint, pending: Iterable[Endpoint] = ()) -> Lease:
+        """Charge each endpoint now and return the lease that will release them.
 
-    def _change(self, endpoint: Endpoint, delta: int) -> None:
+        Endpoints also named in ``pending`` start PENDING: charged, their request not yet sent.
+        """
+        pending = [ep for ep in pending if ep in endpoints]
+        for ep in endpoints:
+            self._change(ep, +1, pending=ep in pending)
+        return Lease(self, endpoints, pending)
+
+    def _change(self, endpoint: Endpoint, delta: int, *, pending: bool = False) -> None:
         n = self._counts.get(endpoint, 0) + delta
         if n < 0:  # pragma: no cover - a broken invariant, not a runtime condition
             raise AssertionError(f"load of {endpoint} would go negative")
         self._counts[endpoint] = n
+        if pending:
+            self._pending[endpoint] = self._pending.get(endpoint, 0) + delta
+        if n == 0 and endpoint in self._idle_waiters:
+            self._idle_waiters.pop(endpoint).set()
         for observer in self._observers:
             observer(endpoint, n)
+        if not pending:
+            self._notify_visible(endpoint)
+
+    def _sent(self, endpoint: Endpoint) -> None:
+        self._pending[endpoint] -= 1
+        self._notify_visible(endpoint)
+
+    def _notify_visible(self, endpoint: Endpoint) -> None:
+        if self._visible_observers:
+            visible = self.visible(endpoint)
+            for observer in self._visible_observers:
+                observer(endpoint, visible)
 
 
 class Lease:
@@ -99,11 +148,14 @@ class Lease:
     still held; release individual endpoints earlier with :meth:`release` as their legs end.
     """
 
-    __slots__ = ("_held", "_ledger")
+    __slots__ = ("_held", "_ledger", "_pending")
 
-    def __init__(self, ledger: LoadLedger, endpoints: Iterable[Endpoint]) -> None:
+    def __init__(
+        self, ledger: LoadLedger, endpoints: Iterable[Endpoint], pending: Iterable[Endpoint] = ()
+    ) -> None:
         self._ledger = ledger
         self._held: list[Endpoint] = list(endpoints)
+        self._pending: list[Endpoint] = list(pending)
 
     def holds(self, endpoint: Endpoint) -> bool:
         return endpoint in self._held
@@ -112,17 +164,26 @@ class Lease:
     def held(self) -> tuple[Endpoint, ...]:
         return tuple(self._held)
 
+    def sent(self, endpoint: Endpoint) -> None:
+        """PENDING -> CHARGED: the request to ``endpoint`` is going out now."""
+        if endpoint in self._pending:
+            self._pending.remove(endpoint)
+            self._ledger._sent(endpoint)
+
     def release(self, endpoint: Endpoint) -> None:
-        """CHARGED -> RELEASED for ``endpoint``; a no-op if it was already released."""
+        """PENDING/CHARGED -> RELEASED for ``endpoint``; a no-op if it was already released."""
         try:
             self._held.remove(endpoint)
         except ValueError:
             return
-        self._ledger._change(endpoint, -1)
+        pending = endpoint in self._pending
+        if pending:
+            self._pending.remove(endpoint)
+        self._ledger._change(endpoint, -1, pending=pending)
 
     def release_all(self) -> None:
         while self._held:
-            self._ledger._change(self._held.pop(), -1)
+            self.release(self._held[-1])
 
     def __enter__(self) -> Lease:
         return self

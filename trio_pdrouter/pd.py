@@ -87,19 +87,38 @@ def upstream_headers(
     rid: str,
     endpoint: Endpoint,
     upstream_api_key: str | None = None,
-) -> dict[str, str]:
+) -> dict[bytes, bytes]:
     """Headers for one leg: content type, the shared request id, auth, trace context, DP rank.
 
     Only these are forwarded, so hop-by-hop headers (``Connection``, ``Keep-Alive``, ``TE``,
     ``Transfer-Encoding``, ``Upgrade``, ...) and the client's ``Host`` never reach an engine.
+    Values are bytes: a client's header goes on exactly as it arrived (ASGI decoded it as
+    latin-1), even where it is not ASCII, which httpx would refuse to encode from ``str``.
     """
-    out = {"content-type": "application/json", "x-request-id": rid}
+    out = {b"content-type": b"application/json", b"x-request-id": rid.encode("latin-1", "replace")}
     for name in FORWARDED_HEADERS:
         value = client_headers.get(name)
         if value is not None:
-            out[name] = value
+            out[name.encode()] = value.encode("latin-1")
     if upstream_api_key is not None:
-        out["authorization"] = f"Bearer {upstream_api_key}"
+        out[b"authorization"] = f"Bearer {upstream_api_key}".encode("latin-1", "replace")
     if endpoint.rank is not None:
-        out["x-data-parallel-rank"] = str(endpoint.rank)
+        out[b"x-data-parallel-rank"] = str(endpoint.rank).encode()
+    return out
+
+
+def stranded_decode_body(body: Mapping[str, Any], kv_transfer_params: Any) -> dict[str, Any]:
+    """A one-token decode that pulls a prefill's KV blocks for a client that already left.
+
+    The prefill engine holds the blocks until decode pulls them or vLLM's KV timeout expires;
+    pulling them at once frees that memory for requests that still have a client.
+    """
+    out = decode_body(body, kv_transfer_params)
+    out["stream"] = True
+    out.pop("stream_options", None)
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out.pop("min_tokens", None)
+    out.pop("min_completion_tokens", None)
     return out

@@ -9,10 +9,10 @@ always see each other's load and a cancellation can never fall between choice an
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection
 
 from .config import RouterConfig
-from .endpoints import Endpoint, Role
+from .endpoints import Endpoint, Role, expand
 from .load import Lease, LoadLedger
 from .policies import Policy, RoutingKey, make_policy
 
@@ -58,31 +58,67 @@ class Routing:
     def all_endpoints(self) -> list[Endpoint]:
         return [ep for eps in self.endpoints.values() for ep in eps]
 
-    def candidates(self, role: Role, exclude: Sequence[Endpoint] = ()) -> list[Endpoint]:
-        eps = self.endpoints.get(role, [])
+    def candidates(self, role: Role) -> list[Endpoint]:
+        """Endpoints of ``role`` that may take traffic now (healthy, circuit not open)."""
         admits = self._admits
-        return [ep for ep in eps if ep not in exclude and all(a(ep) for a in admits)]
+        return [ep for ep in self.endpoints.get(role, []) if all(a(ep) for a in admits)]
 
-    def choose(self, role: Role, key: RoutingKey, exclude: Sequence[Endpoint] = ()) -> Endpoint:
-        candidates = self.candidates(role, exclude)
+    def choose(self, role: Role, key: RoutingKey, avoid_urls: Collection[str] = ()) -> Endpoint:
+        """Ask the stage's policy; servers in ``avoid_urls`` (failed in an earlier attempt) are
+        skipped while any other candidate remains."""
+        candidates = self.candidates(role)
+        if avoid_urls:
+            candidates = [ep for ep in candidates if ep.url not in avoid_urls] or candidates
         if not candidates:
             raise NoHealthyEndpoint(role)
         return self.policies[role].choose(candidates, self.ledger.loads(candidates), key)
 
     def lease_pd(
-        self, key: RoutingKey, exclude: Sequence[Endpoint] = ()
+        self, key: RoutingKey, avoid_urls: Collection[str] = ()
     ) -> tuple[Lease, Endpoint, Endpoint]:
         """Choose a prefill and a decode endpoint and charge both (SPEC §5: decode is charged
         before prefill starts, so concurrent arrivals see it)."""
-        prefill = self.choose(Role.PREFILL, key, exclude)
-        decode = self.choose(Role.DECODE, key, exclude)
-        return self.ledger.lease(prefill, decode), prefill, decode
+        prefill = self.choose(Role.PREFILL, key, avoid_urls)
+        decode = self.choose(Role.DECODE, key, avoid_urls)
+        # Decode is PENDING until its leg is sent: charged (policies see it) but not yet
+        # visible to the engine (engine truth leaves it out).
+        return self.ledger.lease(prefill, decode, pending=(decode,)), prefill, decode
 
     def lease_one(
-        self, role: Role, key: RoutingKey, exclude: Sequence[Endpoint] = ()
+        self, role: Role, key: RoutingKey, avoid_urls: Collection[str] = ()
     ) -> tuple[Lease, Endpoint]:
-        endpoint = self.choose(role, key, exclude)
+        endpoint = self.choose(role, key, avoid_urls)
         return self.ledger.lease(endpoint), endpoint
+
+    def roles(self) -> tuple[Role, ...]:
+        return tuple(self.endpoints)
+
+    def add_url(self, url: str, role: Role) -> list[Endpoint]:
+        """Add a server (all its DP ranks) to ``role``; raises ``ValueError`` for a bad URL, a
+        role this mode does not have, or a server already present."""
+        if role not in self.endpoints:
+            modes = ", ".join(r.value for r in self.endpoints)
+            raise ValueError(f"role {role.value!r} does not exist in this mode (use {modes})")
+        added = list(expand([url], role, self._config.dp_size))
+        if any(ep.url == added[0].url for eps in self.endpoints.values() for ep in eps):
+            raise KeyError(added[0].url)
+        self.endpoints[role].extend(added)
+        for ep in added:
+            self.ledger.add_endpoint(ep)
+        self.policies[role].set_endpoints(self.endpoints[role])
+        return added
+
+    def remove_url(self, url: str) -> list[Endpoint]:
+        """Stop routing to a server; its in-flight requests keep their leases until they end."""
+        url = url.rstrip("/")
+        removed: list[Endpoint] = []
+        for role, eps in self.endpoints.items():
+            gone = [ep for ep in eps if ep.url == url]
+            if gone:
+                self.endpoints[role] = [ep for ep in eps if ep.url != url]
+                self.policies[role].set_endpoints(self.endpoints[role])
+                removed.extend(gone)
+        return removed
 
     def maintain(self) -> None:
         for policy in self.policies.values():

@@ -14,9 +14,15 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 from hypercorn.typing import Framework
 
+from .admission import Admission
 from .app import RouterApp
+from .breaker import Breakers
 from .config import RouterConfig
+from .engine_truth import EngineTruth
+from .health import HealthBoard
 from .load import LoadLedger
+from .metrics import MetricsApp, RouterMetrics
+from .policies.cache_aware import CacheAware
 from .proxy import Proxy
 from .routing import Routing
 from .upstream import make_client
@@ -32,6 +38,8 @@ class RunningRouter:
     ledger: LoadLedger
     routing: Routing
     app: RouterApp
+    #: The separate ``/metrics`` listener's address, when ``--prometheus-port`` is set.
+    metrics_url: str | None = None
 
 
 def hypercorn_config(config: RouterConfig) -> HypercornConfig:
@@ -49,9 +57,66 @@ def hypercorn_config(config: RouterConfig) -> HypercornConfig:
 
 
 def build_app(config: RouterConfig, client: httpx.AsyncClient) -> RouterApp:
-    """The whole router as an ASGI app over ``client``; tests pass an in-memory transport."""
+    """The whole router as an ASGI app over ``client``; tests pass an in-memory transport.
+
+    Health probes and the engine-truth scrape need a nursery: :func:`run_router` starts them.
+    """
     routing = Routing(config, LoadLedger())
-    return RouterApp(config, routing, Proxy(config, routing, client), client)
+    metrics = RouterMetrics()
+    metrics.watch_ledger(routing.ledger, routing.all_endpoints())
+    for policy in routing.policies.values():
+        if isinstance(policy, CacheAware):
+            policy.on_decision = metrics.policy_decision
+
+    health = HealthBoard(
+        config.health,
+        dict.fromkeys(ep.url for ep in routing.all_endpoints()),
+        on_change=lambda url, healthy: _report_health(routing, metrics, url, healthy),
+    )
+    routing.add_admission_check(health.is_healthy)
+    breakers = Breakers(
+        config.breaker,
+        in_flight=routing.ledger.load,
+        on_change=lambda ep, old, new: metrics.breaker_state(ep.key, new),
+    )
+    routing.add_admission_check(lambda ep: breakers.admits(ep, trio.current_time()))
+
+    proxy = Proxy(config, routing, client)
+    proxy.on_stranded = metrics.stranded_kv
+    proxy.outcomes = breakers
+    proxy.admission = Admission(config.admission)
+    metrics.watch_admission(lambda: proxy.admission.queued if proxy.admission else 0)
+
+    truth = None
+    if config.engine_metrics_interval > 0:
+        truth = EngineTruth(
+            routing.all_endpoints,
+            routing.ledger,
+            client,
+            config.engine_metrics_interval,
+            metrics,
+        )
+    app = RouterApp(
+        config,
+        routing,
+        proxy,
+        client,
+        on_request=metrics.observe_request,
+        metrics=metrics,
+        engine_truth=truth,
+    )
+    app.health = health
+    app.breakers = breakers
+    app.on_worker_added = lambda url: health.add_url(url, healthy=False)
+    app.on_worker_removed = health.remove_url
+    return app
+
+
+def _report_health(routing: Routing, metrics: RouterMetrics, url: str, healthy: bool) -> None:
+    log.log(logging.INFO if healthy else logging.WARNING, "url=%s healthy=%s", url, healthy)
+    for ep in routing.all_endpoints():
+        if ep.url == url:
+            metrics.health(ep.key, healthy)
 
 
 async def wait_for_signal() -> None:
@@ -72,10 +137,21 @@ async def run_router(
     config.validate()
     async with make_client(config) as client, trio.open_nursery() as nursery:
         app = build_app(config, client)
+        app.proxy.background = nursery
         routing = app.routing
         nursery.start_soon(
             _maintain_policies, routing, config.policy_settings.eviction_interval_secs
         )
+        if app.engine_truth is not None:
+            nursery.start_soon(app.engine_truth.run)
+        if app.health is not None and config.health.interval_secs > 0:
+            await nursery.start(app.health.run, client)
+        metrics_url = None
+        if config.prometheus_port is not None and app.metrics is not None:
+            metrics_binds: list[str] = await nursery.start(
+                _serve_metrics, config, config.prometheus_port, app.metrics
+            )
+            metrics_url = metrics_binds[0]
 
         async def _serve(task_status: trio.TaskStatus[list[str]]) -> None:
             await serve(
@@ -88,7 +164,23 @@ async def run_router(
 
         binds: list[str] = await nursery.start(_serve)
         log.info("listening=%s mode=%s", binds[0], "pd" if config.pd else "regular")
-        task_status.started(RunningRouter(binds[0], routing.ledger, routing, app))
+        task_status.started(RunningRouter(binds[0], routing.ledger, routing, app, metrics_url))
+
+
+async def _serve_metrics(
+    config: RouterConfig,
+    port: int,
+    metrics: RouterMetrics,
+    task_status: trio.TaskStatus[list[str]],
+) -> None:
+    """The separate ``/metrics`` listener on ``--prometheus-host`` (default ``--host``)."""
+    server = attrs.evolve(
+        config.server,
+        host=config.prometheus_host or config.server.host,
+        port=port,
+    )
+    hc = hypercorn_config(attrs.evolve(config, server=server))
+    await serve(cast(Framework, MetricsApp(metrics)), hc, task_status=task_status)
 
 
 async def _maintain_policies(routing: Routing, interval: float) -> None:

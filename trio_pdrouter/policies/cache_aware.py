@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ..endpoints import Endpoint
 from ._base import PolicySettings, RoutingKey
@@ -51,6 +51,8 @@ class CacheAware:
         self._stage = stage
         self.tree: RadixTree[Endpoint] = RadixTree()
         self._endpoints: frozenset[Endpoint] = frozenset()
+        #: Told ``(stage, reason)`` for every decision (the router counts them in metrics).
+        self.on_decision: Callable[[str, str], None] | None = None
 
     def choose(
         self, candidates: Sequence[Endpoint], loads: Mapping[Endpoint, int], key: RoutingKey
@@ -83,6 +85,8 @@ class CacheAware:
             chosen = least_loaded(candidates, loads, self._rng)
         if text:
             self.tree.insert(text, chosen)
+        if self.on_decision is not None:
+            self.on_decision(self._stage, reason)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "stage=%s max_load=%d min_load=%d is_unbalanced=%s match_rate=%.3f chosen=%s "

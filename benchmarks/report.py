@@ -1,0 +1,375 @@
+"""``benchmarks/report.md`` and its charts, from the newest result file of every scenario."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import orjson
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+REPORT = HERE / "report.md"
+SCENARIOS = ("routing", "overhead", "relay", "memory", "radix_tree")
+
+
+def latest(scenario: str) -> tuple[Path, dict[str, Any]] | None:
+    """The newest ``results/<date>-<scenario>.json`` and its contents."""
+    files = sorted(RESULTS.glob(f"*-{scenario}.json"))
+    if not files:
+        return None
+    return files[-1], orjson.loads(files[-1].read_bytes())
+
+
+def _f(value: Any, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def _chart_name(path: Path, name: str) -> Path:
+    return path.with_name(path.name.rsplit("-", 1)[0] + f"-{name}.png")
+
+
+def _routing(path: Path, data: dict[str, Any]) -> list[str]:
+    s = data["settings"]
+    out = [
+        "## 4. Routing quality",
+        "",
+        f"1 prefill + 1 decode simulator, 4 DP ranks each; {s['concurrency']} closed-loop "
+        "clients; shared-prefix workload (3 hot groups take 60 %, 60 cold groups the rest). "
+        f"Median of {s['repeats']} interleaved runs of {s['seconds']:.0f} s (after "
+        f"{s['warmup']:.0f} s warm-up); fresh router and emptied caches per run.",
+        f"Prefill simulator: `{' '.join(s['prefill_sim'])}`; decode: "
+        f"`{' '.join(s['decode_sim'])}`; load: `{' '.join(s['load'])}`.",
+        "",
+        "*Load error*: how far the router's own count per endpoint (trio-pdrouter `/get_loads`, "
+        "vllm-router the `load` in `/workers`) lies outside the simulators' running+waiting, "
+        "read just before and after; mean and max over samples x 8 endpoints.",
+        "",
+    ]
+    rows = []
+    for c in data["configs"]:
+        rows.append(
+            [
+                c["label"],
+                _f(c["req_per_s"]),
+                _f(c["ttfb_p50_ms"], 0),
+                _f(c["ttfb_p99_ms"], 0),
+                _f(c["total_p99_ms"], 0),
+                " / ".join(_f(x, 0) for x in c["decode_peak_running"]),
+                _f(c["decode_spread_mean"]),
+                _f(c.get("prefill_cache_hit_rate", math.nan) * 100, 0) + " %",
+                f"{_f(c['load_error_mean'], 2)} (max {_f(c['load_error_max'], 0)})",
+                _f(c["router_cpu_util"] * 100, 0) + " %",
+            ]
+        )
+    out += _table(
+        [
+            "router / policy",
+            "req/s",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "total p99 ms",
+            "decode peak running per rank",
+            "mean decode spread (max-min running)",
+            "prefill cache hit",
+            "load error",
+            "router CPU",
+        ],
+        rows,
+    )
+    out += ["", *(f"- {n}" for n in data.get("notes", []))]
+    chart = _chart_name(path, "routing-running")
+    _plot_running(data["configs"], chart)
+    cdf = _chart_name(path, "routing-ttft-cdf")
+    _plot_cdf({c["label"]: c["ttfb_cdf_ms"] for c in data["configs"]}, cdf, "TTFT (ms)", log=True)
+    out += [
+        "",
+        f"![decode running per rank over time]({chart.relative_to(HERE)})",
+        "",
+        f"![TTFT CDF]({cdf.relative_to(HERE)})",
+        "",
+    ]
+    return out
+
+
+def _plot_running(configs: list[dict[str, Any]], dest: Path) -> None:
+    n = len(configs)
+    cols = 2
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(12, 2.6 * rows), sharey=True, squeeze=False)
+    for ax, c in zip(axes.flat, configs, strict=False):
+        series = c["series"]["decode"]
+        t = series["t"]
+        running = series["running"]
+        for rank in range(len(running[0]) if running else 0):
+            ax.plot(t, [r[rank] for r in running], label=f"rank {rank}", linewidth=1)
+        ax.set_title(c["label"], fontsize=10)
+        ax.set_xlabel("s")
+        ax.set_ylabel("decode running")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=8, loc="upper left", ncol=4)
+    fig.suptitle("Decode requests running per DP rank (simulator truth, first run of each)")
+    fig.tight_layout()
+    fig.savefig(dest, dpi=90)
+    plt.close(fig)
+
+
+def _plot_cdf(curves: dict[str, list[float]], dest: Path, xlabel: str, log: bool) -> None:
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for label, points in curves.items():
+        if points:
+            ax.plot(points, [i / (len(points) - 1) for i in range(len(points))], label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of requests")
+    if log:
+        ax.set_xscale("log")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(dest, dpi=90)
+    plt.close(fig)
+
+
+def _overhead(path: Path, data: dict[str, Any]) -> list[str]:
+    s = data["settings"]
+    out = [
+        "## 1. Overhead",
+        "",
+        f"Zero-latency simulators, 16-token requests; median of {s['repeats']} interleaved "
+        f"rounds of {s['seconds']} s. *Added* = router minus direct in the same round. PD rows "
+        "include a prefill leg and a KV pull that direct requests do not make: compare PD with "
+        "PD. CPU is the router process's, per 1,000 completed requests.",
+        "",
+    ]
+    rows = []
+    for cell in data["cells"]:
+        mode = f"C={cell['concurrency']}, {'stream' if cell['stream'] else 'no stream'}"
+        for name, t in cell["targets"].items():
+            direct = name == "direct"
+            rows.append(
+                [
+                    mode,
+                    name,
+                    _f(t["ttfb_p50_ms"], 2),
+                    "" if direct else _f(t["added_ttfb_p50_ms"], 2),
+                    "" if direct else _f(t["added_ttfb_p99_ms"], 2),
+                    "" if direct else _f(t["added_total_p50_ms"], 2),
+                    "" if direct else _f(t["added_total_p99_ms"], 2),
+                    _f(t["req_per_s"], 0),
+                    "" if direct else _f(t["router_cpu_s_per_1000"], 2),
+                    "" if direct else _f(t["router_peak_rss_mb"], 0),
+                ]
+            )
+    out += _table(
+        [
+            "load",
+            "target",
+            "TTFB p50 ms",
+            "added TTFB p50",
+            "added TTFB p99",
+            "added total p50",
+            "added total p99",
+            "req/s",
+            "router CPU s / 1k req",
+            "router peak RSS MB",
+        ],
+        rows,
+    )
+    out += ["", *(f"- {n}" for n in data.get("notes", []))]
+    for cell in data["cells"]:
+        if cell["stream"]:
+            chart = _chart_name(path, f"overhead-ttfb-cdf-c{cell['concurrency']}")
+            curves = {n: t["ttfb_cdf_ms"] for n, t in cell["targets"].items()}
+            _plot_cdf(curves, chart, f"TTFB (ms), C={cell['concurrency']}, streaming", log=True)
+            out += ["", f"![TTFB CDF C={cell['concurrency']}]({chart.relative_to(HERE)})"]
+    return [*out, ""]
+
+
+def _relay(path: Path, data: dict[str, Any]) -> list[str]:
+    s = data["settings"]
+    out = [
+        "## 2. Relay capacity",
+        "",
+        f"256-token streams from {s['sims']} zero-latency simulator processes, regular mode, "
+        f"round_robin; median of {s['repeats']} interleaved runs of {s['seconds']} s. "
+        "*events per router CPU-second* is events/s per fully used core.",
+        "",
+    ]
+    rows = []
+    for point in data["points"]:
+        for name, t in point["targets"].items():
+            rows.append(
+                [
+                    str(point["concurrency"]),
+                    name,
+                    _f(t["events_per_s"], 0),
+                    _f(t["router_cpu_util"] * 100, 0) + " %",
+                    _f(t["router_us_per_event"], 1),
+                    _f(t["events_per_cpu_s"], 0),
+                    _f(t["router_peak_rss_mb"], 0),
+                ]
+            )
+    out += _table(
+        [
+            "streams",
+            "router",
+            "events/s delivered",
+            "router CPU",
+            "router µs CPU / event",
+            "events per router CPU-s",
+            "peak RSS MB",
+        ],
+        rows,
+    )
+    out += ["", *(f"- {n}" for n in data.get("notes", []))]
+    chart = _chart_name(path, "relay-events")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    names = list(data["points"][0]["targets"]) if data["points"] else []
+    xs = [pt["concurrency"] for pt in data["points"]]
+    for name in names:
+        left.plot(xs, [pt["targets"][name]["events_per_s"] for pt in data["points"]], "o-")
+        right.plot(
+            xs, [pt["targets"][name]["events_per_cpu_s"] for pt in data["points"]], "o-", label=name
+        )
+    left.set_title("SSE events/s delivered (whole machine)")
+    right.set_title("events per router CPU-second")
+    for ax in (left, right):
+        ax.set_xlabel("concurrent streams")
+        ax.set_xscale("log")
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(chart, dpi=90)
+    plt.close(fig)
+    return [*out, "", f"![events/s vs concurrency]({chart.relative_to(HERE)})", ""]
+
+
+def _memory(data: dict[str, Any]) -> list[str]:
+    s = data["settings"]
+    out = [
+        "## 3. Memory",
+        "",
+        f"{s['streams']} concurrent slow streams (one token every 2 s) held through a fresh "
+        f"router; RSS median over a {s['seconds']} s window once every stream has started; "
+        f"median of {s['repeats']} runs.",
+        "",
+    ]
+    rows = [
+        [
+            name,
+            _f(t["open_streams"], 0),
+            _f(t["rss_idle_mb"], 0),
+            _f(t["rss_loaded_mb"], 0),
+            _f(t["rss_peak_mb"], 0),
+            _f(t["kb_per_stream"], 1),
+            _f(t.get("seconds_to_open_all"), 1),
+        ]
+        for name, t in data["targets"].items()
+    ]
+    out += _table(
+        [
+            "router",
+            "streams open",
+            "RSS idle MB",
+            "RSS with streams MB",
+            "peak RSS MB",
+            "KB per stream",
+            "s until all streams started",
+        ],
+        rows,
+    )
+    return [*out, *(f"- {n}" for n in data.get("notes", [])), ""]
+
+
+def _radix(data: dict[str, Any]) -> list[str]:
+    out = [
+        "## 5. Radix tree",
+        "",
+        f"`match` + `insert` per request, {data['tenants']} endpoints, budget "
+        f"{data['budget']:,} characters each, {data['samples']} samples per point.",
+        "",
+    ]
+    rows = [
+        [
+            str(r["prompt_bytes"]),
+            f"{r['fill']:.0%}",
+            f"{r['tree_chars']:,}",
+            _f(r["new_mean_us"]),
+            _f(r["new_p99_us"]),
+            _f(r["repeat_mean_us"]),
+            _f(r["repeat_p99_us"]),
+            "" if r["evict_ms"] is None else _f(r["evict_ms"]),
+        ]
+        for r in data["rows"]
+    ]
+    out += _table(
+        [
+            "prompt bytes",
+            "fill",
+            "tree chars",
+            "new µs mean",
+            "new µs p99",
+            "repeat µs mean",
+            "repeat µs p99",
+            "evict 10 % ms",
+        ],
+        rows,
+    )
+    return [*out, ""]
+
+
+def write_report(command: str) -> Path:
+    """Regenerate ``report.md`` and the charts from the newest results of each scenario."""
+    parts: list[str] = [
+        "# Benchmarks",
+        "",
+        f"Produced by `{command}` (newest result file of each scenario). Machine: "
+        f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}. "
+        "Routers, simulators and load generators all run on this machine as separate "
+        "processes, so on few cores they compete for CPU: compare rows with each other, not "
+        "with a real cluster.",
+        "",
+    ]
+    sources: list[str] = []
+    for scenario in SCENARIOS:
+        found = latest(scenario)
+        if found is None:
+            continue
+        path, data = found
+        sources.append(f"`{path.relative_to(HERE)}` ({data.get('profile', '?')})")
+        if scenario == "routing":
+            parts += _routing(path, data)
+        elif scenario == "overhead":
+            parts += _overhead(path, data)
+        elif scenario == "relay":
+            parts += _relay(path, data)
+        elif scenario == "memory":
+            parts += _memory(data)
+        else:
+            parts += _radix(data)
+    parts += ["Sources: " + ", ".join(sources), ""]
+    REPORT.write_text("\n".join(parts))
+    return REPORT

@@ -1,0 +1,35 @@
+"""Hypothesis profiles for the whole suite.
+
+* ``ci`` (the default, used by ``make test``): Hypothesis' usual 100 examples per test and up to 50
+  steps per state machine run, with no per-example deadline (the lifecycle machines drive a trio
+  loop in a helper thread; a slow CI machine must not turn into a flaky ``DeadlineExceeded``).
+  The state machines of ``tests/test_lifecycle_machine.py`` take about 25 s in all on 2 cores.
+* ``long``: a soak of the same properties, 20x the examples and 4x the steps per run::
+
+      .venv/bin/pytest --hypothesis-profile=long tests/test_lifecycle_machine.py tests/test_load.py
+
+  ``--hypothesis-profile`` is the option of Hypothesis' own pytest plugin; it overrides the
+  profile loaded here.
+
+Tests that set ``max_examples`` themselves keep their own count under both profiles.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    deadline=None,
+    max_examples=100,
+    stateful_step_count=50,
+    print_blob=True,
+)
+settings.register_profile(
+    "long",
+    parent=settings.get_profile("ci"),
+    max_examples=2000,
+    stateful_step_count=200,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("ci")

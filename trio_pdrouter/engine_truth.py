@@ -1,0 +1,260 @@
+"""Engine truth: what each upstream engine says it is serving, next to the router's own load.
+
+Every ``--engine-metrics-interval`` seconds (0 turns it off) the router fetches each upstream
+URL's Prometheus ``/metrics`` and reads vLLM's ``vllm:num_requests_running`` and
+``vllm:num_requests_waiting``. A server running several data-parallel engines labels each series
+with ``engine="<rank>"``: the endpoint ``url@rank`` gets that engine's numbers; an endpoint
+without a rank gets the sum over all engines of its URL.
+
+The engine took its numbers at some instant between the request for ``/metrics`` and the
+answer, and the router's load may change in that window. So the router keeps, per endpoint, the
+lowest and highest load the ledger had during the window, and records::
+
+    engine = running + waiting                      # what the engine serves
+    drift  = 0                 if low <= engine <= high
+             low - engine      if engine < low      # the router counts more than runs
+             high - engine     if engine > high     # the engine runs more than counted
+
+Both appear in ``GET /get_loads`` (top-level ``"engine"`` and ``"drift"`` maps keyed like the
+load maps) and as ``trio_pdrouter_engine_requests`` / ``trio_pdrouter_load_drift``.
+
+Drift that persists is a leak somewhere: the router, an engine, or another router replica sending
+to the same engine. The router side is the ledger's *visible* load: a decode slot charged at
+choice whose prefill is still running is PENDING (see :mod:`trio_pdrouter.load`) and left out,
+since the engine cannot know of it yet. Passing drift remains possible for a request on the wire
+(sent, not yet seen by the engine; or finished by the engine, its end not yet read by the
+router). An endpoint whose last scrape failed has no entry (an old number would look like
+truth).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+import attrs
+import httpx
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from .endpoints import Endpoint
+from .load import LoadLedger
+from .metrics import RouterMetrics
+
+log = logging.getLogger("trio_pdrouter.engine_truth")
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+
+
+@attrs.frozen
+class EngineLoad:
+    """One engine's (or one URL's summed) requests at a scrape."""
+
+    running: int
+    waiting: int
+
+    @property
+    def total(self) -> int:
+        return self.running + self.waiting
+
+
+class ScrapeError(Exception):
+    """An upstream's ``/metrics`` could not be fetched or read."""
+
+
+def parse_engine_loads(text: str) -> dict[str | None, EngineLoad]:
+    """Running and waiting requests per ``engine`` label (``None`` when a series has none).
+
+    Series of the same engine that differ in other labels (``model_name``) are summed. Raises
+    :class:`ScrapeError` when the text has neither metric or a line of them is malformed.
+    """
+    # Only the two series are parsed: a vLLM exposition has hundreds of lines of histograms,
+    # and the text parser costs tens of microseconds per line.
+    wanted = [line for line in text.splitlines() if _is_sample_of(line, RUNNING, WAITING)]
+    if not wanted:
+        raise ScrapeError(f"no {RUNNING} or {WAITING} series")
+    running: dict[str | None, float] = {}
+    waiting: dict[str | None, float] = {}
+    try:
+        families = list(text_string_to_metric_families("\n".join(wanted) + "\n"))
+    except ValueError as exc:
+        raise ScrapeError(f"malformed metrics: {exc}") from None
+    for family in families:
+        into = running if family.name == RUNNING else waiting
+        for sample in family.samples:
+            engine = sample.labels.get("engine")
+            into[engine] = into.get(engine, 0.0) + sample.value
+    return {
+        engine: EngineLoad(round(running.get(engine, 0.0)), round(waiting.get(engine, 0.0)))
+        for engine in running.keys() | waiting.keys()
+    }
+
+
+def _is_sample_of(line: str, *names: str) -> bool:
+    for name in names:
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+            return True
+    return False
+
+
+def endpoint_loads(
+    endpoints: Iterable[Endpoint], engines: dict[str | None, EngineLoad]
+) -> dict[str, EngineLoad]:
+    """Attribute one URL's per-engine loads to its endpoints (all of that URL).
+
+    An endpoint with a DP rank gets the engine labelled with that rank, or nothing if the URL
+    reported no such engine; an endpoint without a rank gets the sum over all engines.
+    """
+    out: dict[str, EngineLoad] = {}
+    for ep in endpoints:
+        if ep.rank is None:
+            out[ep.key] = EngineLoad(
+                sum(e.running for e in engines.values()), sum(e.waiting for e in engines.values())
+            )
+        elif (load := engines.get(str(ep.rank))) is not None:
+            out[ep.key] = load
+    return out
+
+
+class EngineTruth:
+    """The last scraped engine loads and their drift from the ledger, per endpoint key."""
+
+    def __init__(
+        self,
+        endpoints: Callable[[], Iterable[Endpoint]],
+        ledger: LoadLedger,
+        client: httpx.AsyncClient,
+        interval: float,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
+        self._ledger = ledger
+        self._client = client
+        self.interval = interval
+        self._metrics = metrics
+        self._endpoints = endpoints
+        self._failing: set[str] = set()
+        self._windows: list[_Window] = []
+        ledger.observe_visible(self._changed)
+        #: endpoint key -> the engine's load at the last successful scrape
+        self.engine: dict[str, EngineLoad] = {}
+        #: endpoint key -> the router's load minus the engine's at that scrape (see above)
+        self.drift: dict[str, int] = {}
+
+    def engine_totals(self) -> dict[str, int]:
+        """Endpoint key -> running + waiting, as ``/get_loads`` shows it."""
+        return {key: load.total for key, load in self.engine.items()}
+
+    async def run(self) -> None:
+        """Scrape every upstream every ``interval`` seconds, forever."""
+        next_round = trio.current_time()
+        while True:
+            await self.scrape()
+            next_round = max(next_round + self.interval, trio.current_time())
+            await trio.sleep_until(next_round)
+
+    async def scrape(self) -> None:
+        """One round: every upstream URL, concurrently."""
+        # Read each round: servers can be added and removed at runtime.
+        endpoints = list(self._endpoints())
+        by_url: dict[str, list[Endpoint]] = {}
+        # A URL may serve several roles; its engines cannot tell them apart, so the router side
+        # of a comparison is every endpoint with the same key.
+        by_key: dict[str, list[Endpoint]] = {}
+        for ep in endpoints:
+            by_url.setdefault(ep.url, []).append(ep)
+            by_key.setdefault(ep.key, []).append(ep)
+        for gone in self.engine.keys() - by_key.keys():
+            self._forget(gone)
+        window = _Window(self._ledger.visible_loads(endpoints))
+        self._windows.append(window)
+        try:
+            async with trio.open_nursery() as nursery:
+                for url, of_url in by_url.items():
+                    nursery.start_soon(self._scrape_url, url, of_url, by_key, window)
+        finally:
+            self._windows.remove(window)
+
+    def _changed(self, endpoint: Endpoint, load: int) -> None:
+        for window in self._windows:
+            window.see(endpoint, load)
+
+    async def _scrape_url(
+        self,
+        url: str,
+        endpoints: list[Endpoint],
+        by_key: dict[str, list[Endpoint]],
+        window: _Window,
+    ) -> None:
+        try:
+            engines = await self._fetch(url)
+        except ScrapeError as exc:
+            self._unknown(url, endpoints, str(exc))
+            return
+        if url in self._failing:
+            self._failing.discard(url)
+            log.info("url=%s engine metrics available again", url)
+        loads = endpoint_loads(endpoints, engines)
+        for key in dict.fromkeys(ep.key for ep in endpoints):
+            load = loads.get(key)
+            if load is None:
+                self._forget(key)
+                continue
+            drift = window.drift(by_key[key], load.total)
+            self.engine[key] = load
+            self.drift[key] = drift
+            if self._metrics is not None:
+                self._metrics.engine_seen(key, load.running, load.waiting, drift)
+
+    async def _fetch(self, url: str) -> dict[str | None, EngineLoad]:
+        limit = max(self.interval, 1.0)
+        try:
+            with trio.move_on_after(limit) as scope:
+                resp = await self._client.get(url + "/metrics")
+        except httpx.HTTPError as exc:
+            raise ScrapeError(f"{type(exc).__name__}: {exc}") from None
+        if scope.cancelled_caught:
+            raise ScrapeError(f"no answer in {limit:g}s")
+        if resp.status_code != 200:
+            raise ScrapeError(f"HTTP {resp.status_code}")
+        return parse_engine_loads(resp.text)
+
+    def _unknown(self, url: str, endpoints: list[Endpoint], reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.engine_scrape_failed(url)
+        if url not in self._failing:
+            self._failing.add(url)
+            log.warning("url=%s engine metrics unavailable: %s", url, reason)
+        for ep in endpoints:
+            self._forget(ep.key)
+
+    def _forget(self, key: str) -> None:
+        self.engine.pop(key, None)
+        self.drift.pop(key, None)
+        if self._metrics is not None:
+            self._metrics.engine_unknown(key)
+
+
+class _Window:
+    """The lowest and highest router load of each endpoint while one scrape round runs."""
+
+    __slots__ = ("high", "low")
+
+    def __init__(self, loads: dict[Endpoint, int]) -> None:
+        self.low = loads
+        self.high = dict(loads)
+
+    def see(self, endpoint: Endpoint, load: int) -> None:
+        if endpoint in self.low:  # an endpoint added mid-round is compared from the next one
+            self.low[endpoint] = min(self.low[endpoint], load)
+            self.high[endpoint] = max(self.high[endpoint], load)
+
+    def drift(self, endpoints: list[Endpoint], engine: int) -> int:
+        """The distance from ``engine`` to the range the router's load had, signed."""
+        low = sum(self.low.get(ep, 0) for ep in endpoints)
+        high = sum(self.high.get(ep, 0) for ep in endpoints)
+        if engine < low:
+            return low - engine
+        if engine > high:
+            return high - engine
+        return 0
