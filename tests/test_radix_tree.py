@@ -157,6 +157,32 @@ def test_eviction_keeps_budget_and_most_recent_prefixes(
         assert all(p[:i] in kept for p in kept for i in range(1, len(p)))
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(texts, st.sampled_from(TENANTS)), max_size=30),
+    st.integers(0, 15),
+    st.integers(1, 4),
+)
+def test_eviction_in_slices_ends_where_one_eviction_does(
+    inserts: list[tuple[str, str]], budget: int, slice_steps: int
+) -> None:
+    whole: RadixTree[str] = RadixTree()
+    sliced: RadixTree[str] = RadixTree()
+    for text, tenant in inserts:
+        whole.insert(text, tenant)
+        sliced.insert(text, tenant)
+    whole.evict(budget)
+    calls = 0
+    while sliced.over_budget(budget):
+        sliced.evict(budget, max_steps=slice_steps)
+        sliced._check_invariants()
+        calls += 1
+        assert calls < 1000, "every slice makes progress"
+    assert not whole.over_budget(budget)
+    for tenant in TENANTS:
+        assert tree_prefixes(sliced, tenant) == tree_prefixes(whole, tenant)
+
+
 def test_match_prefers_longest_then_most_recent() -> None:
     tree: RadixTree[str] = RadixTree()
     tree.insert("abcdef", "a")

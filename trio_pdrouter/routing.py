@@ -120,6 +120,9 @@ class Routing:
                 removed.extend(gone)
         return removed
 
-    def maintain(self) -> None:
+    def maintain(self) -> bool:
+        """One slice of every policy's housekeeping; True while any has more to do."""
+        more = False
         for policy in self.policies.values():
-            policy.maintain()
+            more = policy.maintain() or more
+        return more

@@ -186,4 +186,5 @@ async def _serve_metrics(
 async def _maintain_policies(routing: Routing, interval: float) -> None:
     while True:
         await trio.sleep(interval)
-        routing.maintain()
+        while routing.maintain():
+            await trio.sleep(0)  # let requests run between eviction slices

@@ -64,6 +64,7 @@ class Policy(Protocol):
         """Tell the policy every endpoint of its stage, healthy or not; forget removed ones."""
         ...
 
-    def maintain(self) -> None:
-        """Periodic housekeeping (``cache_aware`` evicts here); called from a background task."""
+    def maintain(self) -> bool:
+        """One bounded slice of periodic housekeeping (``cache_aware`` evicts here); return True
+        while more remains. Called from a background task, which checkpoints between slices."""
         ...

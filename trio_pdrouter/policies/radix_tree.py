@@ -222,21 +222,25 @@ class RadixTree(Generic[T]):
                 stack.extend(c for c in node.children.values() if tenant in c.stamps)
         self._compact(touched)
 
-    def evict(self, max_chars_per_tenant: int) -> int:
+    def evict(self, max_chars_per_tenant: int, max_steps: int | None = None) -> int:
         """Trim every tenant to at most ``max_chars_per_tenant`` characters; return chars removed.
 
         A tenant over budget loses its least recently used prefixes first, longest first among
         equally recent ones, and keeps exactly ``max_chars_per_tenant`` characters. Tenants within
         budget are untouched. The cost is proportional to what is evicted, not to the tree size.
+        ``max_steps`` bounds the work of one call (nodes examined), so a caller on an event loop
+        can evict in slices; :meth:`over_budget` tells whether another slice is needed.
         """
         budget = max(0, max_chars_per_tenant)
+        steps = max_steps if max_steps is not None else -1
         removed = 0
         touched: list[_Node[T]] = []
         for tenant, chars in self._chars.items():
             excess = chars - budget
             heap = self._queue[tenant]
             queued = self._queued[tenant]
-            while excess > 0 and heap:
+            while excess > 0 and heap and steps != 0:
+                steps -= 1
                 stamp, _, node = heapq.heappop(heap)
                 queued.discard(node)
                 current = node.stamps.get(tenant)
@@ -270,6 +274,10 @@ class RadixTree(Generic[T]):
                 heapq.heapify(heap)
         self._compact(touched)
         return removed
+
+    def over_budget(self, max_chars_per_tenant: int) -> bool:
+        """Whether any tenant holds more than ``max_chars_per_tenant`` characters."""
+        return any(chars > max_chars_per_tenant for chars in self._chars.values())
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -23,5 +23,5 @@ class Random:
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
         pass
 
-    def maintain(self) -> None:
-        pass
+    def maintain(self) -> bool:
+        return False

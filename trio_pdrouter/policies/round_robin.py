@@ -26,5 +26,5 @@ class RoundRobin:
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
         pass
 
-    def maintain(self) -> None:
-        pass
+    def maintain(self) -> bool:
+        return False
