@@ -186,5 +186,7 @@ async def _serve_metrics(
 async def _maintain_policies(routing: Routing, interval: float) -> None:
     while True:
         await trio.sleep(interval)
-        while routing.maintain():
-            await trio.sleep(0)  # let requests run between eviction slices
+        more = True
+        while more:
+            more = routing.maintain()
+            await trio.lowlevel.checkpoint()  # let requests run between eviction slices
