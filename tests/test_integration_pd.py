@@ -252,3 +252,23 @@ async def test_get_loads_matches_engines_during_50_streams() -> None:
 
 def test_cluster_is_importable() -> None:
     assert attrs.has(Cluster)
+
+
+async def test_oversized_request_headers_are_refused_before_the_app() -> None:
+    async with trio.open_nursery() as nursery:
+        c = await start_cluster(nursery)
+        host, port = c.url.split("//")[1].split(":")
+        stream = await trio.open_tcp_stream(host, int(port))
+        request = b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nX-Big: " + b"a" * 200_000
+        await stream.send_all(request + b"\r\nContent-Length: 2\r\n\r\n{}")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = await stream.receive_some(65536)
+            if not chunk:
+                break
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 431")
+        await stream.aclose()
+        assert (await c.stats(c.decode[0]))["totals"]["requests"] == 0
+        assert c.router.ledger.total() == 0
+        nursery.cancel_scope.cancel()
