@@ -235,11 +235,37 @@ def build_parser() -> argparse.ArgumentParser:
         " endpoint after connection errors, 5xx, 429 and timeouts; decode only before the"
         " client got a byte, and then with a fresh prefill",
     )
-    g.add_argument("--retry-initial-backoff-ms", type=int, default=r.initial_backoff_ms)
-    g.add_argument("--retry-max-backoff-ms", type=int, default=r.max_backoff_ms)
-    g.add_argument("--retry-backoff-multiplier", type=float, default=r.backoff_multiplier)
-    g.add_argument("--retry-jitter-factor", type=float, default=r.jitter_factor)
-    g.add_argument("--disable-retries", action="store_true", help="one attempt per leg")
+    g.add_argument(
+        "--retry-initial-backoff-ms",
+        type=int,
+        default=r.initial_backoff_ms,
+        help="wait before the first retry; each later wait is multiplied by"
+        " --retry-backoff-multiplier",
+    )
+    g.add_argument(
+        "--retry-max-backoff-ms",
+        type=int,
+        default=r.max_backoff_ms,
+        help="longest wait between attempts",
+    )
+    g.add_argument(
+        "--retry-backoff-multiplier",
+        type=float,
+        default=r.backoff_multiplier,
+        help="growth of the wait from one retry to the next",
+    )
+    g.add_argument(
+        "--retry-jitter-factor",
+        type=float,
+        default=r.jitter_factor,
+        help="each wait is varied at random by up to this fraction, so retries do not march in"
+        " step",
+    )
+    g.add_argument(
+        "--disable-retries",
+        action="store_true",
+        help="one attempt per request (as --retry-max-retries 1)",
+    )
     b = d.breaker
     g.add_argument(
         "--cb-failure-threshold",
@@ -265,11 +291,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=b.window_duration_secs,
         help="window over which failures are counted",
     )
-    g.add_argument("--disable-circuit-breaker", action="store_true")
+    g.add_argument(
+        "--disable-circuit-breaker",
+        action="store_true",
+        help="never take an endpoint out of rotation for its failures (health checks still do)",
+    )
     h = d.health
     g.add_argument("--health-check-endpoint", default=h.endpoint, help="path probed on upstreams")
-    g.add_argument("--health-check-interval-secs", type=float, default=h.interval_secs)
-    g.add_argument("--health-check-timeout-secs", type=float, default=h.timeout_secs)
+    g.add_argument(
+        "--health-check-interval-secs",
+        type=float,
+        default=h.interval_secs,
+        help="seconds between probes of each upstream server (0: no probes; every endpoint is"
+        " then taken as healthy). Probes change health only, never the load ledger",
+    )
+    g.add_argument(
+        "--health-check-timeout-secs",
+        type=float,
+        default=h.timeout_secs,
+        help="a probe not answered 2xx within this is a failure",
+    )
     g.add_argument(
         "--health-failure-threshold",
         type=int,
@@ -320,6 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level",
         choices=("debug", "info", "warning", "error", "critical"),
         default=d.log_level,
+        help="info: one access line per request; debug: also every routing decision"
+        " (stage=... max_load=... min_load=... is_unbalanced=...)",
     )
     g.add_argument(
         "--prometheus-host", default=None, help="also serve /metrics on a separate listener here"
