@@ -17,7 +17,7 @@ import orjson
 import trio
 
 from . import errors, pd
-from .asgi import Downstream, Receive, Reply, Scope, Send
+from .asgi import Downstream, Receive, Reply, Scope, Send, answer_lifespan
 from .breaker import Breakers
 from .config import RouterConfig
 from .endpoints import Role
@@ -83,7 +83,7 @@ class RouterApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await answer_lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
@@ -367,13 +367,3 @@ def _ms(value: float | None) -> str:
 
 async def _reply(send: Send, reply: Reply) -> None:
     await Downstream(send).finish(reply)
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return

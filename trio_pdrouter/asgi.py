@@ -66,3 +66,15 @@ class Downstream:
             await self.start(reply.status, reply.headers)
         self.bytes_sent += len(reply.body)
         await self._send({"type": "http.response.body", "body": reply.body, "more_body": False})
+
+
+async def answer_lifespan(receive: Receive, send: Send) -> None:
+    """Acknowledge ASGI lifespan startup and shutdown (the router has nothing to set up there:
+    its background work lives in :func:`trio_pdrouter.server.run_router`'s nursery)."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
