@@ -274,10 +274,8 @@ def _client_timeout(config: RouterConfig) -> httpx.Timeout:
 
 def _attach_background(app: RouterApp, nursery: trio.Nursery) -> None:
     # The stranded-KV release runs in a nursery that outlives the request; run_router provides
-    # it in production. Tests have no public way to pass it to build_app, hence the attribute.
-    proxy = getattr(app, "_proxy", None)
-    if proxy is not None and hasattr(proxy, "background"):
-        proxy.background = nursery
+    # it in production (app.proxy.background), build_app leaves it to the caller.
+    app.proxy.background = nursery
 
 
 # -- the machine -----------------------------------------------------------------------------------
@@ -557,21 +555,22 @@ class LifecycleMachine(RuleBasedStateMachine):
         req = self._pick(data, self._present())
         self._step(req.exchange.leave)
 
-    @precondition(
-        lambda self: (
-            self._may("client_stops_reading")
-            and [r for r in self._present() if r.exchange.draining.is_set()]
-        )
-    )
+    def _reading(self) -> list[ClientRequest]:
+        return [r for r in self._present() if r.exchange.draining.is_set()]
+
+    def _stalled(self) -> list[ClientRequest]:
+        return [r for r in self._live() if not r.exchange.draining.is_set()]
+
+    @precondition(lambda self: self._may("client_stops_reading") and bool(self._reading()))
     @rule(data=st.data())
     def client_stops_reading(self, data: st.DataObject) -> None:
-        req = self._pick(data, [r for r in self._present() if r.exchange.draining.is_set()])
+        req = self._pick(data, self._reading())
         self._step(req.exchange.stop_reading)
 
-    @precondition(lambda self: [r for r in self._live() if not r.exchange.draining.is_set()])
+    @precondition(lambda self: bool(self._stalled()))
     @rule(data=st.data())
     def client_reads_again(self, data: st.DataObject) -> None:
-        req = self._pick(data, [r for r in self._live() if not r.exchange.draining.is_set()])
+        req = self._pick(data, self._stalled())
         self._step(req.exchange.resume_reading)
 
     def _busy(self) -> bool:

@@ -612,15 +612,16 @@ async def test_stale_connection_found_idle_is_replaced() -> None:
         assert open_count(transport, server) == 1
 
 
-async def test_stale_connection_failing_before_any_response_byte_is_retried_once() -> None:
-    bodies: list[bytes] = []
+def answer_then_drop_second_request(bodies: list[bytes]):  # type: ignore[no-untyped-def]
+    """A server whose first connection reads a second request, then closes unanswered: the
+    race a keep-alive timeout causes, and also what an engine failing mid-work looks like."""
 
     async def handler(stream: trio.SocketStream, index: int) -> None:
         conn = h11.Connection(h11.SERVER)
         while (got := await read_request(stream, conn)) is not None:
             bodies.append(got[1])
             if index == 0 and len(bodies) == 2:
-                return  # the race a keep-alive timeout causes: request read, no answer, close
+                return
             payload = f"conn={index}".encode()
             await send(
                 stream,
@@ -631,13 +632,37 @@ async def test_stale_connection_failing_before_any_response_byte_is_retried_once
             )
             conn.start_next_cycle()
 
+    return handler
+
+
+async def test_idempotent_request_unanswered_on_a_reused_connection_is_retried_once() -> None:
+    bodies: list[bytes] = []
     transport = H11Transport()
-    async with serve(handler) as server, client_for(transport) as client:
-        assert (await client.post(server.url, content=b"one")).content == b"conn=0"
-        assert (await client.post(server.url, content=b"two")).content == b"conn=1"
-        assert bodies == [b"one", b"two", b"two"]
+    async with (
+        serve(answer_then_drop_second_request(bodies)) as server,
+        client_for(transport) as client,
+    ):
+        assert (await client.get(server.url)).content == b"conn=0"
+        assert (await client.get(server.url)).content == b"conn=1"
+        assert len(bodies) == 3
         assert server.accepted == 2
         assert open_count(transport, server) == 1
+
+
+async def test_post_that_reached_the_server_is_never_sent_twice() -> None:
+    """The engine may have started on it: the caller decides, not the transport."""
+    bodies: list[bytes] = []
+    transport = H11Transport()
+    async with (
+        serve(answer_then_drop_second_request(bodies)) as server,
+        client_for(transport) as client,
+    ):
+        assert (await client.post(server.url, content=b"one")).content == b"conn=0"
+        with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+            await client.post(server.url, content=b"two")
+        assert bodies == [b"one", b"two"]
+        assert server.accepted == 1
+        assert open_count(transport, server) == 0
 
 
 async def test_fresh_connection_closed_without_answer_is_not_retried() -> None:

@@ -38,7 +38,22 @@ from ._pool import HostPool
 
 __all__ = ["H11ResponseStream", "H11Transport"]
 
-# Failures on a reused connection that mean "the server closed it while it sat idle", when
+
+def _may_resend(request: httpx.Request, sent: bool, response_started: bool) -> bool:
+    """Whether a request that failed on a reused connection may go again on a fresh one.
+
+    A POST that reached the server whole may have started work there (an engine generating
+    tokens, then failing): sending it again would run it twice, so only a POST whose writing
+    failed is resent. Idempotent methods may go again after a failure to read an answer, as
+    HTTP allows. Either way nothing of the response may have arrived, and the body must be
+    sendable again (``httpx.ByteStream``: bytes content, or a body already read into memory).
+    """
+    if response_started or not isinstance(request.stream, httpx.ByteStream):
+        return False
+    return not sent or request.method in ("GET", "HEAD", "OPTIONS")
+
+
+# Failures on a reused connection that may mean "the server closed it while it sat idle", when
 # they happen before any byte of the response. Timeouts are not among them: a silent server
 # may be working on the request, and sending it twice is not ours to decide.
 _STALE_ERRORS = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
@@ -113,9 +128,11 @@ class H11Transport(httpx.AsyncBaseTransport):
     Per origin: up to `max_connections_per_host` connections; beyond that requests wait in
     FIFO order (httpx's pool timeout applies). At most `max_idle_per_host` idle connections
     are kept; the most recently returned one is reused first; one idle for longer than
-    `idle_timeout` seconds is closed when found. A reused connection that turns out to have
-    been closed by the server (failure before any response byte) is retried once on a fresh
-    connection, if the request body can be sent again.
+    `idle_timeout` seconds is closed when found. The default of 4 s stays under the 5 s after
+    which vLLM's server (uvicorn) closes an idle keep-alive connection, so a request rarely
+    lands on a connection the server is closing. A reused connection that turns out to have
+    been closed by the server is retried once on a fresh connection when that cannot run the
+    request twice (see `_may_resend`).
     """
 
     def __init__(
@@ -123,7 +140,7 @@ class H11Transport(httpx.AsyncBaseTransport):
         *,
         max_connections_per_host: int = 2048,
         max_idle_per_host: int = 512,
-        idle_timeout: float = 60.0,
+        idle_timeout: float = 4.0,
     ) -> None:
         if max_connections_per_host < 1:
             raise ValueError(
@@ -179,18 +196,14 @@ class H11Transport(httpx.AsyncBaseTransport):
         conn, reused = await pool.acquire(
             request, connect_timeout=connect_timeout, pool_timeout=pool_timeout
         )
+        sent = False
         try:
             await conn.send_request(request, write_timeout=write_timeout)
+            sent = True
             head = await conn.receive_response_head(request, read_timeout=read_timeout)
         except _STALE_ERRORS:
             pool.discard(conn)
-            # The body must be sendable again: httpx.ByteStream (bytes content, and every body
-            # that was read into memory) is; an async generator body is not.
-            if not (
-                reused
-                and not conn.response_started
-                and isinstance(request.stream, httpx.ByteStream)
-            ):
+            if not (reused and _may_resend(request, sent, conn.response_started)):
                 raise
         except BaseException:
             # Cancellation included: the socket goes now, and with it the slot.
