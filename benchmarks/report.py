@@ -322,6 +322,8 @@ def _radix(data: dict[str, Any]) -> list[str]:
             _f(r["repeat_mean_us"]),
             _f(r["repeat_p99_us"]),
             "" if r["evict_ms"] is None else _f(r["evict_ms"]),
+            "" if r.get("evict_slices") is None else str(r["evict_slices"]),
+            "" if r.get("evict_slice_max_ms") is None else _f(r["evict_slice_max_ms"]),
         ]
         for r in data["rows"]
     ]
@@ -334,7 +336,9 @@ def _radix(data: dict[str, Any]) -> list[str]:
             "new µs p99",
             "repeat µs mean",
             "repeat µs p99",
-            "evict 10 % ms",
+            "evict 10 % ms (all slices)",
+            "slices",
+            "longest slice ms (event-loop stall)",
         ],
         rows,
     )

@@ -28,6 +28,7 @@ About 25 s on 2 cores with the defaults.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import socket
@@ -130,7 +131,11 @@ def census(router_port: int, sim_ports: set[int]) -> Counter[str]:
       which ``upstream_close_wait`` the simulator has already closed;
     * ``sim_side``: a simulator's end of such a connection;
     * ``other``: everything else (listeners, the trio loop's own descriptors, files).
+
+    Garbage is collected first: a socket that earlier code dropped without closing is closed by
+    its finaliser at an unpredictable time, which would move the count between two censuses.
     """
+    gc.collect()
     inodes: dict[int, str] = {}
     count: Counter[str] = Counter()
     for fd in os.listdir("/proc/self/fd"):

@@ -68,6 +68,7 @@ async def start_cluster(
     n_prefill: int = 1,
     n_decode: int = 1,
     pd: bool = True,
+    client_connections: int = 100,
     **router: Any,
 ) -> Cluster:
     """Start simulators and a router in ``nursery``; the router gets the sims' URLs."""
@@ -92,5 +93,16 @@ async def start_cluster(
     router.setdefault("policy", "round_robin")
     config = RouterConfig(pd=pd, server=ServerSettings(host="127.0.0.1", port=0), **router)
     running: RunningRouter = await nursery.start(run_router, config)
-    client = httpx.AsyncClient(timeout=30)
+    client = httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=client_connections))
+    nursery.start_soon(_close_when_cancelled, client)
     return Cluster(running, prefill, decode, client)
+
+
+async def _close_when_cancelled(client: httpx.AsyncClient) -> None:
+    """Tests end by cancelling the cluster's nursery: close the client's sockets then, rather
+    than leave them to the garbage collector (later fd counts would see them vanish)."""
+    try:
+        await trio.sleep_forever()
+    finally:
+        with trio.CancelScope(shield=True):
+            await client.aclose()

@@ -21,6 +21,31 @@ from trio_pdrouter.server import build_app
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 
+# A NIXL prefill answer and a PD client request, as the proxy tests use them.
+KV = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "engine-1",
+    "remote_block_ids": [1, 2, 3],
+    "remote_host": "10.1.2.3",
+    "remote_port": 5600,
+    "tp_size": 1,
+}
+PREFILL_ANSWER = {
+    "id": "cmpl-1",
+    "choices": [{"text": "x", "finish_reason": "length"}],
+    "kv_transfer_params": KV,
+}
+EVENT = b'data: {"choices":[{"text":"hi"}]}\n\n'
+REQUEST = {
+    "model": "m",
+    "prompt": "hello there",
+    "max_tokens": 8,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "min_tokens": 2,
+}
+
 
 class ScriptedBody(httpx.AsyncByteStream):
     """A response body the test feeds: ``push`` bytes, then ``end`` or ``fail``."""
@@ -79,6 +104,21 @@ def streaming(
 
 def json_response(payload: Any, status: int = 200) -> httpx.Response:
     return httpx.Response(status, json=payload)
+
+
+class StreamingDecode:
+    """A scripted PD upstream: prefill answers :data:`PREFILL_ANSWER`; each decode request gets
+    a streaming body that the test feeds (``bodies[i].push(...)``, ``.end()``, ``.fail()``)."""
+
+    def __init__(self) -> None:
+        self.bodies: list[ScriptedBody] = []
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.host == "prefill":
+            return json_response(PREFILL_ANSWER)
+        response, body = streaming()
+        self.bodies.append(body)
+        return response
 
 
 @attrs.define

@@ -14,8 +14,17 @@ import trio
 from trio_pdrouter.app import access_line
 from trio_pdrouter.proxy import RequestRecord
 
-from .harness import Exchange, call, json_response, make_app, pd_config, streaming
-from .test_proxy import EVENT, PREFILL_ANSWER, REQUEST
+from .harness import (
+    EVENT,
+    PREFILL_ANSWER,
+    REQUEST,
+    Exchange,
+    call,
+    json_response,
+    make_app,
+    pd_config,
+    streaming,
+)
 
 FIELDS = [
     "request_id",

@@ -9,6 +9,9 @@ import trio.testing
 from trio_pdrouter.sse import DONE
 
 from .harness import (
+    EVENT,
+    PREFILL_ANSWER,
+    REQUEST,
     Exchange,
     call,
     json_response,
@@ -18,7 +21,6 @@ from .harness import (
     streaming,
     total_load,
 )
-from .test_proxy import EVENT, PREFILL_ANSWER, REQUEST
 
 
 async def ok_handler(request: httpx.Request) -> httpx.Response:

@@ -304,3 +304,24 @@ async def test_non_ascii_forwarded_header_is_not_a_500(name: bytes) -> None:
     headers = [(b"content-type", b"application/json"), (name, b"caf\xe9")]
     answer = await drive(app, "POST", "/v1/completions", headers, [b'{"prompt": "hi"}'])
     check(app, upstream, "/v1/completions", answer)
+
+
+async def test_json_nested_too_deep_to_forward_is_a_400() -> None:
+    """orjson reads deeper nesting than it writes: such a body must be refused, not a 500."""
+    from .harness import call
+
+    upstream_calls: list[httpx.Request] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        upstream_calls.append(request)
+        return httpx.Response(200, json={})
+
+    app, _ = make_app(pd_config(), handler)
+    deep = b'{"prompt": "x", "extra": ' + b"[" * 300 + b"]" * 300 + b"}"
+    assert orjson.loads(deep)  # parses fine; orjson could not serialise it again
+    ex = await call(
+        app, "POST", "/v1/completions", raw=deep, headers={"content-type": "application/json"}
+    )
+    assert ex.status == 400 and "nested deeper" in ex.json()["error"]["message"]
+    assert not upstream_calls
+    assert total_load(app) == 0

@@ -210,8 +210,7 @@ async def test_drift_is_zero_while_50_streams_run_on_real_simulators() -> None:
     """The acceptance check: with exact accounting, router load equals engine load."""
     sim = SimConfig(port=0, itl_base_s=0.01, prefill_base_s=0.0, prefill_per_token_s=0.0)
     async with trio.open_nursery() as nursery:
-        c = await start_cluster(nursery, sim=sim, dp_size=2, n_decode=2)
-        c.client = httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=200))
+        c = await start_cluster(nursery, sim=sim, dp_size=2, n_decode=2, client_connections=200)
         truth = c.router.app.engine_truth
         assert truth is not None
         started = 0

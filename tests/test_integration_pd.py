@@ -210,8 +210,7 @@ async def test_openai_client_streams_through_the_router() -> None:
 async def test_get_loads_matches_engines_during_50_streams() -> None:
     sim = SimConfig(port=0, itl_base_s=0.01, prefill_base_s=0.0, prefill_per_token_s=0.0)
     async with trio.open_nursery() as nursery:
-        c = await start_cluster(nursery, sim=sim, dp_size=2, n_decode=2)
-        c.client = httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=200))
+        c = await start_cluster(nursery, sim=sim, dp_size=2, n_decode=2, client_connections=200)
         started = 0
         release = trio.Event()
         all_started = trio.Event()

@@ -54,7 +54,7 @@ from trio_pdrouter.config import RetrySettings, RouterConfig, Timeouts
 from trio_pdrouter.server import build_app
 from trio_pdrouter.sse import DONE
 
-from .harness import Exchange, ScriptedBody, ScriptedUpstream, call
+from .harness import KV, Exchange, ScriptedBody, ScriptedUpstream, call
 
 T = TypeVar("T")
 
@@ -63,15 +63,6 @@ TIMEOUT = 10.0
 #: Clients in flight at once; more adds run time, not orderings.
 MAX_LIVE = 3
 
-KV = {
-    "do_remote_prefill": True,
-    "do_remote_decode": False,
-    "remote_engine_id": "engine-1",
-    "remote_block_ids": [1, 2, 3],
-    "remote_host": "10.1.2.3",
-    "remote_port": 5600,
-    "tp_size": 1,
-}
 _PROMPT_LOGPROBS = {
     "tokens": ["a", "b", "x"],
     "token_logprobs": [None, -1.0, -0.5],

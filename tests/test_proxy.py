@@ -11,7 +11,12 @@ import trio.testing
 from trio_pdrouter.sse import DONE
 
 from .harness import (
+    EVENT,
+    KV,
+    PREFILL_ANSWER,
+    REQUEST,
     Exchange,
+    StreamingDecode,
     call,
     json_response,
     loads,
@@ -20,30 +25,6 @@ from .harness import (
     streaming,
     total_load,
 )
-
-KV = {
-    "do_remote_prefill": True,
-    "do_remote_decode": False,
-    "remote_engine_id": "engine-1",
-    "remote_block_ids": [1, 2, 3],
-    "remote_host": "10.1.2.3",
-    "remote_port": 5600,
-    "tp_size": 1,
-}
-PREFILL_ANSWER = {
-    "id": "cmpl-1",
-    "choices": [{"text": "x", "finish_reason": "length"}],
-    "kv_transfer_params": KV,
-}
-EVENT = b'data: {"choices":[{"text":"hi"}]}\n\n'
-REQUEST = {
-    "model": "m",
-    "prompt": "hello there",
-    "max_tokens": 8,
-    "stream": True,
-    "stream_options": {"include_usage": True},
-    "min_tokens": 2,
-}
 
 
 async def test_pd_stream_shapes_both_legs_and_holds_decode_load_until_the_last_byte() -> None:
@@ -99,14 +80,8 @@ async def test_pd_stream_shapes_both_legs_and_holds_decode_load_until_the_last_b
 
 async def test_the_historic_bug_switch_releases_decode_at_headers() -> None:
     """The test-only switch reproduces the bug, so the assertion above can fail."""
-    bodies = []
-
-    async def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.host == "prefill":
-            return json_response(PREFILL_ANSWER)
-        response, body = streaming()
-        bodies.append(body)
-        return response
+    handler = StreamingDecode()
+    bodies = handler.bodies
 
     app, _ = make_app(pd_config(release_decode_at_headers=True), handler)
     ex = Exchange()
@@ -160,14 +135,8 @@ async def test_client_disconnect_closes_upstream_and_releases_everything(phase: 
 
 
 async def test_decode_failure_mid_stream_ends_with_error_event_and_done() -> None:
-    bodies = []
-
-    async def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.host == "prefill":
-            return json_response(PREFILL_ANSWER)
-        response, body = streaming()
-        bodies.append(body)
-        return response
+    handler = StreamingDecode()
+    bodies = handler.bodies
 
     app, _ = make_app(pd_config(), handler)
     ex = Exchange()

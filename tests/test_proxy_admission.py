@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import httpx
 import trio
 import trio.testing
 
@@ -10,19 +9,21 @@ from trio_pdrouter.admission import Admission
 from trio_pdrouter.config import AdmissionSettings
 from trio_pdrouter.sse import DONE
 
-from .harness import Exchange, call, json_response, make_app, pd_config, streaming, total_load
-from .test_proxy import EVENT, PREFILL_ANSWER, REQUEST
+from .harness import (
+    EVENT,
+    REQUEST,
+    Exchange,
+    StreamingDecode,
+    call,
+    make_app,
+    pd_config,
+    total_load,
+)
 
 
 def app_with_cap(cap: int, queue: int, timeout: float = 60.0):  # type: ignore[no-untyped-def]
-    bodies = []
-
-    async def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.host == "prefill":
-            return json_response(PREFILL_ANSWER)
-        response, body = streaming()
-        bodies.append(body)
-        return response
+    handler = StreamingDecode()
+    bodies = handler.bodies
 
     app, upstream = make_app(pd_config(), handler)
     app.proxy.admission = Admission(

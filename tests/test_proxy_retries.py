@@ -13,6 +13,10 @@ from trio_pdrouter.endpoints import Endpoint
 from trio_pdrouter.sse import DONE
 
 from .harness import (
+    EVENT,
+    KV,
+    PREFILL_ANSWER,
+    REQUEST,
     Exchange,
     call,
     json_response,
@@ -22,7 +26,6 @@ from .harness import (
     streaming,
     total_load,
 )
-from .test_proxy import EVENT, KV, PREFILL_ANSWER, REQUEST
 
 TWO_PREFILLS = {"prefill_urls": ("http://p1:1", "http://p2:2")}
 

@@ -9,8 +9,7 @@ import trio.testing
 from trio_pdrouter.config import BreakerSettings, HealthSettings, RetrySettings
 from trio_pdrouter.endpoints import Endpoint, Role
 
-from .harness import call, json_response, make_app, pd_config, total_load
-from .test_proxy import PREFILL_ANSWER
+from .harness import PREFILL_ANSWER, call, json_response, make_app, pd_config, total_load
 
 TWO_PREFILLS = ("http://p1:1", "http://p2:2")
 

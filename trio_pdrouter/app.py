@@ -36,6 +36,9 @@ Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 INFERENCE_ROUTES = ("/v1/completions", "/v1/chat/completions")
 OPEN_ROUTES = frozenset({"/health", "/liveness", "/readiness"})
 WORKER_PREFIX = "/workers/"
+#: orjson parses JSON nested ~1000 deep but serialises only 255 levels; no OpenAI request nests
+#: beyond a handful, so anything deeper is refused before it is charged or forwarded.
+MAX_JSON_DEPTH = 64
 
 
 class BadRequest(Exception):
@@ -159,6 +162,8 @@ class RouterApp:
             raise BadRequest(errors.bad_request(f"request body is not valid JSON: {exc}")) from None
         path: str = scope["path"]
         _validate(path, body)
+        if _nested_deeper_than(body, MAX_JSON_DEPTH):
+            raise BadRequest(errors.bad_request(f"JSON nested deeper than {MAX_JSON_DEPTH} levels"))
         stream = body.get("stream", False)
         return Inference(
             path=path,
@@ -288,6 +293,20 @@ class RouterApp:
                     await _reply(send, Reply.json(resp.content))
                     return
         await _reply(send, Reply.error(errors.no_healthy_endpoint("model-listing")))
+
+
+def _nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests containers more than ``limit`` deep (visits containers only)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, dict | list))
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item if isinstance(v, dict | list))
+    return False
 
 
 def _validate(path: str, body: Any) -> None:
