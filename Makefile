@@ -53,4 +53,4 @@ bench-full: $(VENV)/.bench-installed bench-vllm-router
 	$(BIN)/python -m benchmarks --profile full
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_ROUTER_VENV) .mypy_cache .pytest_cache .ruff_cache
