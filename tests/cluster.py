@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import attrs
@@ -46,6 +47,36 @@ class Cluster:
             if totals["running"] or totals["waiting"]:
                 return False
         return True
+
+
+@contextlib.asynccontextmanager
+async def held_streams(c: Cluster, n: int, body: dict[str, Any]) -> AsyncIterator[None]:
+    """Start ``n`` streaming requests, enter once every one has its first byte, and keep them
+    open, unread, until the block ends."""
+    started = 0
+    all_started = trio.Event()
+    release = trio.Event()
+
+    async def one() -> None:
+        nonlocal started
+        async with c.client.stream("POST", c.url + "/v1/completions", json=body) as resp:
+            # Keep the iterator referenced: a dropped httpx body iterator is finalised, which
+            # closes the connection, and the router (rightly) sees a disconnect.
+            chunks = resp.aiter_raw()
+            await chunks.__anext__()
+            started += 1
+            if started == n:
+                all_started.set()
+            await release.wait()
+
+    async with trio.open_nursery() as clients:
+        for _ in range(n):
+            clients.start_soon(one)
+        await all_started.wait()
+        try:
+            yield
+        finally:
+            release.set()
 
 
 async def eventually(predicate: Callable[[], Any], timeout: float = 10.0) -> None:  # noqa: ASYNC109

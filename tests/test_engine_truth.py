@@ -21,7 +21,7 @@ from trio_pdrouter.load import LoadLedger
 from trio_pdrouter.metrics import RouterMetrics
 from trio_pdrouter.sim.config import SimConfig
 
-from .cluster import eventually, start_cluster
+from .cluster import eventually, held_streams, start_cluster
 from .test_integration_pd import COMPLETION
 
 URL = "http://decode:8200"
@@ -213,27 +213,8 @@ async def test_drift_is_zero_while_50_streams_run_on_real_simulators() -> None:
         c = await start_cluster(nursery, sim=sim, dp_size=2, n_decode=2, client_connections=200)
         truth = c.router.app.engine_truth
         assert truth is not None
-        started = 0
-        release = trio.Event()
-        all_started = trio.Event()
-
-        async def one() -> None:
-            nonlocal started
-            body = {**COMPLETION, "max_tokens": 400, "stream": True}
-            async with c.client.stream("POST", c.url + "/v1/completions", json=body) as resp:
-                # Keep the iterator referenced: a dropped httpx body iterator is finalised,
-                # which closes the connection, and the router (rightly) sees a disconnect.
-                chunks = resp.aiter_raw()
-                await chunks.__anext__()
-                started += 1
-                if started == 50:
-                    all_started.set()
-                await release.wait()
-
-        async with trio.open_nursery() as clients:
-            for _ in range(50):
-                clients.start_soon(one)
-            await all_started.wait()
+        body = {**COMPLETION, "max_tokens": 400, "stream": True}
+        async with held_streams(c, 50, body):
             await truth.scrape()  # a scrape now, with every stream past its first byte
             loads = await c.get_loads()
             assert sum(loads["decode"].values()) == 50
@@ -244,7 +225,6 @@ async def test_drift_is_zero_while_50_streams_run_on_real_simulators() -> None:
             metrics = (await c.client.get(c.url + "/metrics")).text
             for key in decode_keys:
                 assert f'trio_pdrouter_load_drift{{endpoint="{key}"}} 0.0' in metrics
-            release.set()
         await eventually(c.all_idle, timeout=20)
         await truth.scrape()
         loads = await c.get_loads()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import attrs
 import httpx
 import orjson
 import pytest
@@ -10,7 +9,7 @@ import trio
 
 from trio_pdrouter.sim.config import SimConfig
 
-from .cluster import Cluster, eventually, start_cluster
+from .cluster import eventually, held_streams, start_cluster
 
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "Say hello " * 20}]}
 COMPLETION = {"model": "sim-model", "prompt": "Once upon a time " * 20}
@@ -211,27 +210,8 @@ async def test_get_loads_matches_engines_during_50_streams() -> None:
     sim = SimConfig(port=0, itl_base_s=0.01, prefill_base_s=0.0, prefill_per_token_s=0.0)
     async with trio.open_nursery() as nursery:
         c = await start_cluster(nursery, sim=sim, dp_size=2, n_decode=2, client_connections=200)
-        started = 0
-        release = trio.Event()
-        all_started = trio.Event()
-
-        async def one() -> None:
-            nonlocal started
-            body = {**COMPLETION, "max_tokens": 400, "stream": True}
-            async with c.client.stream("POST", c.url + "/v1/completions", json=body) as resp:
-                # Keep the iterator referenced: a dropped httpx body iterator is finalised,
-                # which closes the connection, and the router (rightly) sees a disconnect.
-                chunks = resp.aiter_raw()
-                await chunks.__anext__()
-                started += 1
-                if started == 50:
-                    all_started.set()
-                await release.wait()
-
-        async with trio.open_nursery() as clients:
-            for _ in range(50):
-                clients.start_soon(one)
-            await all_started.wait()
+        body = {**COMPLETION, "max_tokens": 400, "stream": True}
+        async with held_streams(c, 50, body):
             loads = await c.get_loads()
             truth: dict[str, int] = {}
             for sim_server in c.decode:
@@ -242,15 +222,10 @@ async def test_get_loads_matches_engines_during_50_streams() -> None:
             assert sum(loads["decode"].values()) == 50
             for key, n in loads["decode"].items():
                 assert abs(n - truth[key]) <= 1, (key, n, truth[key])
-            release.set()
         await eventually(c.all_idle, timeout=20)
         loads = await c.get_loads()
         assert all(n == 0 for role in ("prefill", "decode") for n in loads[role].values())
         nursery.cancel_scope.cancel()
-
-
-def test_cluster_is_importable() -> None:
-    assert attrs.has(Cluster)
 
 
 async def test_oversized_request_headers_are_refused_before_the_app() -> None:
