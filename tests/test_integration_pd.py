@@ -246,3 +246,20 @@ async def test_oversized_request_headers_are_refused_before_the_app() -> None:
         assert (await c.stats(c.decode[0]))["totals"]["requests"] == 0
         assert c.router.ledger.total() == 0
         nursery.cancel_scope.cancel()
+
+
+async def test_models_come_from_an_upstream_that_answers_never_a_500() -> None:
+    async with trio.open_nursery() as nursery:
+        c = await start_cluster(nursery, n_decode=2)
+        c.decode[0].down()
+        await eventually(lambda: _refused(c.decode[0].url))
+        resp = await c.client.get(c.url + "/v1/models")
+        assert resp.status_code == 200
+        assert resp.json()["data"][0]["id"] == "sim-model"
+        for sim in [c.decode[1], *c.prefill]:
+            sim.down()
+            await eventually(lambda sim=sim: _refused(sim.url))
+        resp = await c.client.get(c.url + "/v1/models")
+        assert resp.status_code == 503
+        assert resp.json()["error"]["type"] == "service_unavailable"
+        nursery.cancel_scope.cancel()
