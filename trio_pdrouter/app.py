@@ -54,23 +54,21 @@ class RouterApp:
         routing: Routing,
         proxy: Proxy,
         client: httpx.AsyncClient,
-        on_request: Callable[[RequestRecord], None] | None = None,
-        metrics: RouterMetrics | None = None,
+        metrics: RouterMetrics,
+        health: HealthBoard,
+        breakers: Breakers,
         engine_truth: EngineTruth | None = None,
     ) -> None:
         self._config = config
-        self.metrics = metrics
-        self.engine_truth = engine_truth
         self.routing = routing
         self.proxy = proxy
         self._client = client
-        self._on_request = on_request
-        #: Health probes and circuit breakers, when the router runs them (shown by /workers).
-        self.health: HealthBoard | None = None
-        self.breakers: Breakers | None = None
-        #: Called with a server URL added or removed at runtime (health checks follow it).
-        self.on_worker_added: Callable[[str], None] | None = None
-        self.on_worker_removed: Callable[[str], None] | None = None
+        self.metrics = metrics
+        #: Health probes and circuit breakers (shown by /workers; runtime servers join them).
+        self.health = health
+        self.breakers = breakers
+        #: The engines' own counts, when --engine-metrics-interval is not 0.
+        self.engine_truth = engine_truth
         self.routes: dict[str, dict[str, Handler]] = {
             "/health": {"GET": self._health},
             "/liveness": {"GET": self._health},
@@ -78,11 +76,10 @@ class RouterApp:
             "/get_loads": {"GET": self._get_loads},
             "/workers": {"GET": self._workers, "POST": self._add_worker},
             "/v1/models": {"GET": self._models},
+            "/metrics": {"GET": self._metrics},
         }
         for path in INFERENCE_ROUTES:
             self.routes[path] = {"POST": self._inference}
-        if metrics is not None:
-            self.routes["/metrics"] = {"GET": self._metrics}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -139,8 +136,7 @@ class RouterApp:
             record = await self.proxy.handle(inference, receive, send)
         if log.isEnabledFor(logging.INFO):
             log.info("%s", access_line(record))
-        if self._on_request is not None:
-            self._on_request(record)
+        self.metrics.observe_request(record)
 
     async def _parse(
         self, scope: Scope, headers: dict[str, str], receive: Receive
@@ -198,7 +194,6 @@ class RouterApp:
         await _reply(send, Reply.json(orjson.dumps(loads)))
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
-        assert self.metrics is not None  # the route exists only with metrics
         body = self.metrics.exposition()
         await _reply(send, Reply(200, [(b"content-type", CONTENT_TYPE.encode())], body))
 
@@ -212,8 +207,8 @@ class RouterApp:
                 "key": ep.key,
                 "role": ep.role.value,
                 "rank": ep.rank,
-                "healthy": self.health.is_healthy(ep) if self.health is not None else True,
-                "circuit": self.breakers.state(ep) if self.breakers is not None else "closed",
+                "healthy": self.health.is_healthy(ep),
+                "circuit": self.breakers.state(ep),
                 "routable": ep in routable,
                 "load": self.routing.ledger.load(ep),
             }
@@ -248,8 +243,7 @@ class RouterApp:
         except ValueError as exc:
             await _reply(send, Reply.error(errors.bad_request(str(exc), "url")))
             return
-        if self.on_worker_added is not None:
-            self.on_worker_added(added[0].url)
+        self.health.add_url(added[0].url, healthy=False)  # traffic waits for its first probe
         log.info("worker_added url=%s role=%s endpoints=%d", added[0].url, role_name, len(added))
         payload = {"url": added[0].url, "role": role_name, "endpoints": [ep.key for ep in added]}
         await _reply(send, Reply.json(orjson.dumps(payload), status=201))
@@ -261,11 +255,9 @@ class RouterApp:
         if not removed:
             await _reply(send, Reply.error(errors.not_found(f"worker {url}")))
             return
-        if self.on_worker_removed is not None:
-            self.on_worker_removed(url)
-        if self.breakers is not None:
-            for ep in removed:
-                self.breakers.forget(ep)
+        self.health.remove_url(url)
+        for ep in removed:
+            self.breakers.forget(ep)
         ledger = self.routing.ledger
         with trio.move_on_after(self._config.server.graceful_timeout):
             await ledger.wait_idle(removed)

@@ -8,7 +8,7 @@ addressed with the ``X-data-parallel-rank`` header.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 import attrs
@@ -70,7 +70,3 @@ def expand(urls: Iterable[str], role: Role, dp_size: int) -> tuple[Endpoint, ...
         else:
             out.append(Endpoint(url, role))
     return tuple(out)
-
-
-def by_key(endpoints: Sequence[Endpoint]) -> dict[str, Endpoint]:
-    return {ep.key: ep for ep in endpoints}

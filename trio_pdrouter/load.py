@@ -157,13 +157,6 @@ class Lease:
         self._held: list[Endpoint] = list(endpoints)
         self._pending: list[Endpoint] = list(pending)
 
-    def holds(self, endpoint: Endpoint) -> bool:
-        return endpoint in self._held
-
-    @property
-    def held(self) -> tuple[Endpoint, ...]:
-        return tuple(self._held)
-
     def sent(self, endpoint: Endpoint) -> None:
         """PENDING -> CHARGED: the request to ``endpoint`` is going out now."""
         if endpoint in self._pending:

@@ -90,9 +90,6 @@ class Routing:
         endpoint = self.choose(role, key, avoid_urls)
         return self.ledger.lease(endpoint), endpoint
 
-    def roles(self) -> tuple[Role, ...]:
-        return tuple(self.endpoints)
-
     def add_url(self, url: str, role: Role) -> list[Endpoint]:
         """Add a server (all its DP ranks) to ``role``; raises ``ValueError`` for a bad URL, a
         role this mode does not have, or a server already present."""

@@ -108,11 +108,12 @@ def build_app(config: RouterConfig, client: httpx.AsyncClient) -> RouterApp:
     )
     routing.add_admission_check(lambda ep: breakers.admits(ep, trio.current_time()))
 
+    admission = Admission(config.admission)
+    metrics.watch_admission(lambda: admission.queued)
     proxy = Proxy(config, routing, client)
     proxy.on_stranded = metrics.stranded_kv
     proxy.outcomes = breakers
-    proxy.admission = Admission(config.admission)
-    metrics.watch_admission(lambda: proxy.admission.queued if proxy.admission else 0)
+    proxy.admission = admission
 
     truth = None
     if config.engine_metrics_interval > 0:
@@ -123,20 +124,7 @@ def build_app(config: RouterConfig, client: httpx.AsyncClient) -> RouterApp:
             config.engine_metrics_interval,
             metrics,
         )
-    app = RouterApp(
-        config,
-        routing,
-        proxy,
-        client,
-        on_request=metrics.observe_request,
-        metrics=metrics,
-        engine_truth=truth,
-    )
-    app.health = health
-    app.breakers = breakers
-    app.on_worker_added = lambda url: health.add_url(url, healthy=False)
-    app.on_worker_removed = health.remove_url
-    return app
+    return RouterApp(config, routing, proxy, client, metrics, health, breakers, truth)
 
 
 def _report_health(routing: Routing, metrics: RouterMetrics, url: str, healthy: bool) -> None:
@@ -172,10 +160,10 @@ async def run_router(
         )
         if app.engine_truth is not None:
             nursery.start_soon(app.engine_truth.run)
-        if app.health is not None and config.health.interval_secs > 0:
+        if config.health.interval_secs > 0:
             await nursery.start(app.health.run, client)
         metrics_url = None
-        if config.prometheus_port is not None and app.metrics is not None:
+        if config.prometheus_port is not None:
             metrics_binds: list[str] = await nursery.start(
                 _serve_metrics, config, config.prometheus_port, app.metrics
             )

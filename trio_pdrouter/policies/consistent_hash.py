@@ -53,11 +53,6 @@ class ConsistentHash:
         self._points = [point for point, _, _ in ring]
         self._owners = [ep for _, _, ep in ring]
 
-    def owner_walk(self, point: int) -> Sequence[Endpoint]:
-        """Ring owners in clockwise order starting at ``point`` (for tests and diagnostics)."""
-        start = bisect.bisect_left(self._points, point)
-        return self._owners[start:] + self._owners[:start]
-
     def choose(
         self, candidates: Sequence[Endpoint], loads: Mapping[Endpoint, int], key: RoutingKey
     ) -> Endpoint:
