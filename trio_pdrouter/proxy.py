@@ -273,13 +273,12 @@ class Proxy:
         )
         try:
             if inf.stream:
-                result = await self._relay(leg, lease, down, nursery, rec, extra)
-            else:
-                result = await self._buffered(inf, leg, lease, prefill_answer, rec)
+                # The relay sends ``extra`` with its response start, or on its failure reply.
+                return await self._relay(leg, lease, down, nursery, rec, extra)
+            return _with_headers(await self._buffered(inf, leg, lease, prefill_answer, rec), extra)
         finally:
             if rec.client_gone and kv is not None and not leg.answered:
                 self._release_stranded(inf, leg, kv)
-        return _with_headers(result, extra)
 
     async def _prefill(
         self, inf: Inference, rid: str, lease: Lease, ep: Endpoint, rec: RequestRecord
@@ -363,7 +362,7 @@ class Proxy:
         nursery.start_soon(self._read_upstream, leg, lease, head, buffer, rec)
         await head.ready.wait()
         if head.failure is not None:
-            return head.failure
+            return _with_headers(head.failure, extra)
         await down.start(
             200, [(b"content-type", head.content_type), (b"cache-control", b"no-cache"), *extra]
         )
