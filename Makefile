@@ -36,9 +36,9 @@ bench-vllm-router:
 install: $(STAMP)
 
 lint: install
-	$(BIN)/ruff check trio_pdrouter tests benchmarks
-	$(BIN)/ruff format --check trio_pdrouter tests benchmarks
-	$(BIN)/mypy --strict trio_pdrouter
+	$(BIN)/ruff check trio_pdrouter trio_pdrouter_sim tests benchmarks
+	$(BIN)/ruff format --check trio_pdrouter trio_pdrouter_sim tests benchmarks
+	$(BIN)/mypy --strict trio_pdrouter trio_pdrouter_sim
 
 test: lint
 	$(BIN)/pytest

@@ -188,9 +188,9 @@ def wait_ready(service: Service, path: str = "/health", timeout: float = 60.0) -
 
 
 def start_sim(procs: ProcessSet, name: str, *flags: str) -> Service:
-    """A simulator (``python -m trio_pdrouter.sim``) on a free port, ready."""
+    """A simulator (``python -m trio_pdrouter_sim``) on a free port, ready."""
     port = free_port()
-    argv = [sys.executable, "-m", "trio_pdrouter.sim", "--port", str(port), *flags]
+    argv = [sys.executable, "-m", "trio_pdrouter_sim", "--port", str(port), *flags]
     service = procs.start(name, argv, url=f"http://127.0.0.1:{port}")
     wait_ready(service)
     return service

@@ -12,8 +12,8 @@ import trio
 
 from trio_pdrouter.config import RouterConfig, ServerSettings
 from trio_pdrouter.server import RunningRouter, run_router
-from trio_pdrouter.sim.config import SimConfig
-from trio_pdrouter.sim.server import SimServer
+from trio_pdrouter_sim.config import SimConfig
+from trio_pdrouter_sim.server import SimServer
 
 
 @attrs.define

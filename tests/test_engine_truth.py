@@ -19,7 +19,7 @@ from trio_pdrouter.engine_truth import (
 )
 from trio_pdrouter.load import LoadLedger
 from trio_pdrouter.metrics import RouterMetrics
-from trio_pdrouter.sim.config import SimConfig
+from trio_pdrouter_sim.config import SimConfig
 
 from .cluster import eventually, held_streams, start_cluster
 from .test_integration_pd import COMPLETION
@@ -53,7 +53,7 @@ def test_parse_reads_both_gauges_per_engine_and_ignores_lookalikes() -> None:
 
 
 def test_parse_the_simulators_own_exposition() -> None:
-    from trio_pdrouter.sim.app import SimState
+    from trio_pdrouter_sim.app import SimState
 
     state = SimState(SimConfig.fast(port=0, dp_size=3))
     assert parse_engine_loads(state.metrics_text()) == {

@@ -38,8 +38,8 @@ import trio_pdrouter.upstream
 from benchmarks.soak import SoakSettings, clean, soak
 from trio_pdrouter.config import RetrySettings, Timeouts
 from trio_pdrouter.endpoints import Role
-from trio_pdrouter.sim.server import SimServer
 from trio_pdrouter.transport import H11Transport
+from trio_pdrouter_sim.server import SimServer
 
 from .cluster import Cluster, eventually, start_cluster
 

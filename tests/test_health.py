@@ -12,8 +12,8 @@ import trio.testing
 from trio_pdrouter.config import HealthSettings
 from trio_pdrouter.endpoints import Endpoint, Role
 from trio_pdrouter.health import HealthBoard
-from trio_pdrouter.sim.config import SimConfig
-from trio_pdrouter.sim.server import SimServer
+from trio_pdrouter_sim.config import SimConfig
+from trio_pdrouter_sim.server import SimServer
 
 URL = "http://decode:8200"
 OTHER = "http://decode:8300"

@@ -7,7 +7,7 @@ import orjson
 import pytest
 import trio
 
-from trio_pdrouter.sim.config import SimConfig
+from trio_pdrouter_sim.config import SimConfig
 
 from .cluster import eventually, held_streams, start_cluster
 

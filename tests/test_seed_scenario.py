@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from trio_pdrouter.policies import PolicySettings
-from trio_pdrouter.sim.config import SimConfig
+from trio_pdrouter_sim.config import SimConfig
 
 from .cluster import eventually, start_cluster
 

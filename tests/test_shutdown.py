@@ -9,8 +9,8 @@ import sys
 import httpx
 import trio
 
-from trio_pdrouter.sim.config import SimConfig
-from trio_pdrouter.sim.server import SimServer
+from trio_pdrouter_sim.config import SimConfig
+from trio_pdrouter_sim.server import SimServer
 
 from .cluster import eventually
 

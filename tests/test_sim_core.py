@@ -8,12 +8,12 @@ import pytest
 import trio
 import trio.testing
 
-from trio_pdrouter.sim import shapes
-from trio_pdrouter.sim.cli import build_parser, config_from_args
-from trio_pdrouter.sim.config import SimConfig
-from trio_pdrouter.sim.engine import Engine, PrefixCache, block_hashes
-from trio_pdrouter.sim.faults import Fault, FaultBook, parse_faults, plan_for
-from trio_pdrouter.sim.requests import BadRequest, parse_request
+from trio_pdrouter_sim import shapes
+from trio_pdrouter_sim.cli import build_parser, config_from_args
+from trio_pdrouter_sim.config import SimConfig
+from trio_pdrouter_sim.engine import Engine, PrefixCache, block_hashes
+from trio_pdrouter_sim.faults import Fault, FaultBook, parse_faults, plan_for
+from trio_pdrouter_sim.requests import BadRequest, parse_request
 
 
 def test_parse_faults_all_kinds() -> None:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import trio
 
-from trio_pdrouter.sim import SimConfig, SimServer
+from trio_pdrouter_sim import SimConfig, SimServer
 
 PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False}
 CLIENT_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError)

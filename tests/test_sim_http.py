@@ -10,7 +10,7 @@ import httpx
 import orjson
 import trio
 
-from trio_pdrouter.sim import SimConfig, SimServer
+from trio_pdrouter_sim import SimConfig, SimServer
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there"}]
 

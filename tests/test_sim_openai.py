@@ -9,7 +9,7 @@ from __future__ import annotations
 import openai
 import trio
 
-from trio_pdrouter.sim import SimConfig, serve_sim
+from trio_pdrouter_sim import SimConfig, serve_sim
 
 
 def _use_client(base_url: str) -> tuple[str, str, int, str]:

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import trio
 
-from trio_pdrouter.sim import SimConfig, SimServer, serve_sim
+from trio_pdrouter_sim import SimConfig, SimServer, serve_sim
 
 PREFILL_PARAMS = {
     "do_remote_decode": True,

@@ -28,11 +28,12 @@ import attrs
 import httpx
 import trio
 
+from trio_pdrouter_sim.config import SimConfig
+from trio_pdrouter_sim.server import SimServer
+
 from .config import RouterConfig, ServerSettings
 from .policies import PolicySettings
 from .server import RunningRouter, run_router
-from .sim.config import SimConfig
-from .sim.server import SimServer
 
 PREFIXES = [f"You are assistant #{i}. " + "Background material. " * 60 for i in range(6)]
 #: How often the view refreshes and the router scrapes the engines, in seconds.

@@ -1,4 +1,4 @@
-"""Command line of the simulator: ``trio-pdrouter-sim`` / ``python -m trio_pdrouter.sim``."""
+"""Command line of the simulator: ``trio-pdrouter-sim`` / ``python -m trio_pdrouter_sim``."""
 
 from __future__ import annotations
 

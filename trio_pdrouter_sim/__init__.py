@@ -5,7 +5,7 @@ models an engine's scheduler and timing per data-parallel rank, implements the N
 prefill/decode handshake between simulators, injects faults on demand, and reports the
 ground truth at ``GET /sim/stats``. It never imports the router.
 
-Start one from the command line (``python -m trio_pdrouter.sim --help``) or in a trio
+Start one from the command line (``python -m trio_pdrouter_sim --help``) or in a trio
 program::
 
     url = await nursery.start(serve_sim, SimConfig.fast(port=0, role="decode", dp_size=2))

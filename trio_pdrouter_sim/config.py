@@ -1,7 +1,7 @@
 """Settings of one simulated vLLM server (:class:`SimConfig`).
 
 Every field has a command-line flag of the same name (``max_num_seqs`` is ``--max-num-seqs``);
-see ``python -m trio_pdrouter.sim --help``. The defaults make a 100-token stream last about
+see ``python -m trio_pdrouter_sim --help``. The defaults make a 100-token stream last about
 0.6 s on an idle engine, like a mid-sized model on one GPU; :meth:`SimConfig.fast` gives a
 configuration with no modelled latency at all, for benchmarks of the router itself.
 """

@@ -20,7 +20,7 @@ Routes:
 ``GET /sim/stats``         ground truth (see :meth:`SimState.stats`)
 ``POST /sim/reset``        zero counters and series (``{"prefix_cache": true}`` also
                            empties the prefix caches)
-``GET/POST/DELETE /sim/faults``  armed faults (see :mod:`trio_pdrouter.sim.faults`)
+``GET/POST/DELETE /sim/faults``  armed faults (see :mod:`trio_pdrouter_sim.faults`)
 ``POST /sim/down``         close the listener (``{"seconds": S}``: reopen after S s)
 ``POST /sim/kv/pull``      NIXL stand-in, called by decode simulators
 =========================  ======================================================
