@@ -36,15 +36,15 @@ bench-vllm-router:
 install: $(STAMP)
 
 lint: install
-	$(BIN)/ruff check trio_pdrouter trio_pdrouter_sim tests benchmarks
-	$(BIN)/ruff format --check trio_pdrouter trio_pdrouter_sim tests benchmarks
-	$(BIN)/mypy --strict trio_pdrouter trio_pdrouter_sim
+	$(BIN)/ruff check trio_pdrouter trio_pdrouter_sim demo tests benchmarks
+	$(BIN)/ruff format --check trio_pdrouter trio_pdrouter_sim demo tests benchmarks
+	$(BIN)/mypy --strict trio_pdrouter trio_pdrouter_sim demo
 
 test: lint
 	$(BIN)/pytest
 
 demo: install
-	$(BIN)/python -m trio_pdrouter.demo --seconds $(DEMO_SECONDS)
+	$(BIN)/python -m demo --seconds $(DEMO_SECONDS)
 
 bench: $(VENV)/.bench-installed bench-vllm-router
 	$(BIN)/python -m benchmarks --profile $(BENCH_PROFILE)

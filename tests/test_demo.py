@@ -5,10 +5,13 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
-from trio_pdrouter.demo import LoadStats, plain_line, render
+from demo.run import LoadStats, plain_line, render
 
-DEMO = [sys.executable, "-m", "trio_pdrouter.demo", "--concurrency", "8"]
+DEMO = [sys.executable, "-m", "demo", "--concurrency", "8"]
+#: ``python -m demo`` finds the package in the repository, not in the installed distribution.
+REPO = Path(__file__).resolve().parent.parent
 
 LOADS = {
     "prefill": {"http://p:1@0": 1, "http://p:1@1": 0},
@@ -27,7 +30,9 @@ def check_summary(stdout: str) -> None:
 
 
 def test_demo_runs_headless_to_completion() -> None:
-    result = subprocess.run([*DEMO, "--seconds", "3"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [*DEMO, "--seconds", "3"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert "\x1b[" not in result.stdout  # no terminal: no escape codes
     plain = [line for line in result.stdout.splitlines() if line.startswith("t=")]
@@ -37,7 +42,11 @@ def test_demo_runs_headless_to_completion() -> None:
 
 def test_ctrl_c_stops_the_demo_with_a_summary() -> None:
     with subprocess.Popen(
-        [*DEMO, "--seconds", "600"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [*DEMO, "--seconds", "600"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     ) as demo:
         assert demo.stdout is not None
         first = demo.stdout.readline()  # the first plain line: the demo is up and loaded

@@ -28,12 +28,11 @@ import attrs
 import httpx
 import trio
 
+from trio_pdrouter.config import RouterConfig, ServerSettings
+from trio_pdrouter.policies import PolicySettings
+from trio_pdrouter.server import RunningRouter, run_router
 from trio_pdrouter_sim.config import SimConfig
 from trio_pdrouter_sim.server import SimServer
-
-from .config import RouterConfig, ServerSettings
-from .policies import PolicySettings
-from .server import RunningRouter, run_router
 
 PREFIXES = [f"You are assistant #{i}. " + "Background material. " * 60 for i in range(6)]
 #: How often the view refreshes and the router scrapes the engines, in seconds.
@@ -238,7 +237,7 @@ async def run_demo(seconds: float, concurrency: int, interactive: bool, stats: L
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m trio_pdrouter.demo",
+        prog="python -m demo",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,0 +1,6 @@
+"""``python -m demo``: see :mod:`demo.run`."""
+
+from .run import main
+
+if __name__ == "__main__":
+    main()
