@@ -24,7 +24,7 @@ import trio
 from .app import SERIES_INTERVAL_S, SimApp, SimState
 from .config import SimConfig
 
-log = logging.getLogger("trio_pdrouter.sim")
+log = logging.getLogger("trio_pdrouter_sim")
 
 
 class SimServer:
@@ -54,7 +54,7 @@ class SimServer:
         hc.accesslog = None
         # A logger, not a stream: "Running on ..." (info) stays quiet under the usual WARNING
         # level, while an error escaping the app is still reported.
-        hc.errorlog = logging.getLogger("trio_pdrouter.sim.hypercorn")
+        hc.errorlog = logging.getLogger("trio_pdrouter_sim.hypercorn")
         return hc
 
     async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
