@@ -16,6 +16,10 @@ Tests that set ``max_examples`` themselves keep their own count under both profi
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
+import pytest
+import trio
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -33,3 +37,12 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("ci")
+
+
+@pytest.fixture
+async def background() -> AsyncIterator[trio.Nursery]:
+    """A nursery for work that outlives one request (the app's stranded-KV reclaim); cancelled
+    when the test ends."""
+    async with trio.open_nursery() as nursery:
+        yield nursery
+        nursery.cancel_scope.cancel()

@@ -214,9 +214,13 @@ async def call(
     return ex
 
 
-def make_app(config: RouterConfig, handler: Handler) -> tuple[RouterApp, ScriptedUpstream]:
+def make_app(
+    config: RouterConfig, handler: Handler, background: trio.Nursery
+) -> tuple[RouterApp, ScriptedUpstream]:
+    """The app over a scripted upstream; ``background`` runs what outlives a request (pass the
+    ``background`` fixture of ``tests/conftest.py``)."""
     upstream = ScriptedUpstream(handler)
-    app = build_app(config.validate(), httpx.AsyncClient(transport=upstream))
+    app = build_app(config.validate(), httpx.AsyncClient(transport=upstream), background)
     return app, upstream
 
 
@@ -231,8 +235,8 @@ def pd_config(**changes: Any) -> RouterConfig:
 
 
 def loads(app: RouterApp) -> dict[str, dict[str, int]]:
-    return app.routing.ledger.snapshot()
+    return app.ledger.snapshot()
 
 
 def total_load(app: RouterApp) -> int:
-    return app.routing.ledger.total()
+    return app.ledger.total()

@@ -11,8 +11,7 @@ import orjson
 import pytest
 import trio
 
-from trio_pdrouter.app import access_line
-from trio_pdrouter.proxy import RequestRecord
+from trio_pdrouter.record import RequestRecord, access_line
 
 from .harness import (
     EVENT,
@@ -97,6 +96,7 @@ def test_client_chosen_request_ids_cannot_forge_fields(rid: str) -> None:
 
 async def test_one_line_per_streamed_pd_request_matching_the_headers(
     caplog: pytest.LogCaptureFixture,
+    background: trio.Nursery,
 ) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "prefill":
@@ -107,7 +107,7 @@ async def test_one_line_per_streamed_pd_request_matching_the_headers(
         body.end()
         return response
 
-    app, _ = make_app(pd_config(), handler)
+    app, _ = make_app(pd_config(), handler, background)
     caplog.set_level(logging.INFO, logger="trio_pdrouter.access")
     ex = await call(app, "POST", "/v1/completions", REQUEST, headers={"x-request-id": "req-42"})
     assert ex.status == 200
@@ -126,6 +126,7 @@ async def test_one_line_per_streamed_pd_request_matching_the_headers(
 
 async def test_a_client_that_leaves_mid_stream_is_logged_as_such(
     caplog: pytest.LogCaptureFixture,
+    background: trio.Nursery,
 ) -> None:
     decode_started = trio.Event()
 
@@ -137,7 +138,7 @@ async def test_a_client_that_leaves_mid_stream_is_logged_as_such(
         decode_started.set()
         return response
 
-    app, _ = make_app(pd_config(), handler)
+    app, _ = make_app(pd_config(), handler, background)
     caplog.set_level(logging.INFO, logger="trio_pdrouter.access")
     ex = Exchange()
     async with trio.open_nursery() as nursery:
@@ -153,11 +154,13 @@ async def test_a_client_that_leaves_mid_stream_is_logged_as_such(
     assert fields["decode"] == "http://decode:8200"
 
 
-async def test_a_rejected_request_is_logged_too(caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_rejected_request_is_logged_too(
+    caplog: pytest.LogCaptureFixture, background: trio.Nursery
+) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         raise AssertionError("a bad request never reaches an upstream")
 
-    app, _ = make_app(pd_config(), handler)
+    app, _ = make_app(pd_config(), handler, background)
     caplog.set_level(logging.INFO, logger="trio_pdrouter.access")
     ex = await call(
         app, "POST", "/v1/chat/completions", {"messages": []}, headers={"x-request-id": "bad-1"}

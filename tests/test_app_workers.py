@@ -29,8 +29,10 @@ async def ok_handler(request: httpx.Request) -> httpx.Response:
     return json_response({"choices": [{"text": "ok"}]})
 
 
-async def test_added_worker_takes_traffic_once_its_first_probe_passes() -> None:
-    app, upstream = make_app(pd_config(dp_size=2), ok_handler)
+async def test_added_worker_takes_traffic_once_its_first_probe_passes(
+    background: trio.Nursery,
+) -> None:
+    app, upstream = make_app(pd_config(dp_size=2), ok_handler, background)
     ex = await call(app, "POST", "/workers", {"url": "http://decode2:9000/", "role": "decode"})
     assert ex.status == 201
     assert ex.json() == {
@@ -59,8 +61,8 @@ async def test_added_worker_takes_traffic_once_its_first_probe_passes() -> None:
     assert decode_hosts == {"decode", "decode2"}
 
 
-async def test_bad_worker_requests_are_refused() -> None:
-    app, _ = make_app(pd_config(), ok_handler)
+async def test_bad_worker_requests_are_refused(background: trio.Nursery) -> None:
+    app, _ = make_app(pd_config(), ok_handler, background)
     cases = [
         ({"url": "http://decode:8200", "role": "decode"}, 409),
         ({"url": "ftp://x:1", "role": "decode"}, 400),
@@ -79,7 +81,9 @@ async def test_bad_worker_requests_are_refused() -> None:
     assert (await call(app, "DELETE", "/workers/http://nowhere:1")).status == 404
 
 
-async def test_removal_stops_new_traffic_and_waits_for_in_flight_requests() -> None:
+async def test_removal_stops_new_traffic_and_waits_for_in_flight_requests(
+    background: trio.Nursery,
+) -> None:
     bodies = []
 
     async def handler(request: httpx.Request) -> httpx.Response:
@@ -94,6 +98,7 @@ async def test_removal_stops_new_traffic_and_waits_for_in_flight_requests() -> N
     app, upstream = make_app(
         pd_config(decode_urls=("http://decode:8200", "http://decode2:9000"), policy="round_robin"),
         handler,
+        background,
     )
     stream = Exchange()
     removal = Exchange()
@@ -125,8 +130,8 @@ async def test_removal_stops_new_traffic_and_waits_for_in_flight_requests() -> N
     assert upstream.requests
 
 
-async def test_api_key_guards_everything_but_the_probes() -> None:
-    app, upstream = make_app(pd_config(api_key="s3cret"), ok_handler)
+async def test_api_key_guards_everything_but_the_probes(background: trio.Nursery) -> None:
+    app, upstream = make_app(pd_config(api_key="s3cret"), ok_handler, background)
     for path in ("/health", "/liveness", "/readiness"):
         assert (await call(app, "GET", path)).status == 200
     for method, path, body in [
@@ -148,8 +153,8 @@ async def test_api_key_guards_everything_but_the_probes() -> None:
     assert all("s3cret" not in r.headers.get("authorization", "") for r in upstream.requests)
 
 
-async def test_upstream_api_key_replaces_the_clients() -> None:
-    app, upstream = make_app(pd_config(upstream_api_key="engine-key"), ok_handler)
+async def test_upstream_api_key_replaces_the_clients(background: trio.Nursery) -> None:
+    app, upstream = make_app(pd_config(upstream_api_key="engine-key"), ok_handler, background)
     await call(
         app, "POST", "/v1/completions", {"prompt": "x"}, headers={"authorization": "Bearer client"}
     )

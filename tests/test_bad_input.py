@@ -261,22 +261,24 @@ async def test_hostile_requests_are_answered_without_harm(
     authorized: bool,
 ) -> None:
     config = CONFIGS[mode]
-    app, upstream = make_app(config, engine)
     raw_headers = list(extra_headers)
     if content_type is not None:
         raw_headers.append((b"content-type", content_type))
     if authorized and config.api_key is not None:
         raw_headers.append((b"authorization", f"Bearer {API_KEY}".encode()))
-
-    answer = await drive(app, method, path, raw_headers, split(body, cuts))
-    check(app, upstream, path, answer)
+    # A nursery per example (Hypothesis reuses function-scoped fixtures across examples).
+    async with trio.open_nursery() as background:
+        app, upstream = make_app(config, engine, background)
+        answer = await drive(app, method, path, raw_headers, split(body, cuts))
+        check(app, upstream, path, answer)
+        background.cancel_scope.cancel()
 
 
 def check(app: RouterApp, upstream: ScriptedUpstream, path: str, answer: Answer) -> None:
     """The properties every request must have, whatever it was."""
     assert answer.status is not None and answer.complete, "the app did not answer completely"
     assert answer.status < 500, f"{answer.status}: {bytes(answer.body)[:300]!r}"
-    assert total_load(app) == 0, app.routing.ledger.snapshot()
+    assert total_load(app) == 0, app.ledger.snapshot()
     if answer.status in REFUSALS:
         assert upstream.requests == [], "a refused request was sent upstream"
         error = orjson.loads(bytes(answer.body))["error"]
@@ -289,24 +291,28 @@ def check(app: RouterApp, upstream: ScriptedUpstream, path: str, answer: Answer)
 # Minimal examples of bugs the property test found, kept as named regressions.
 
 
-async def test_content_length_with_a_non_ascii_digit_is_a_client_error() -> None:
+async def test_content_length_with_a_non_ascii_digit_is_a_client_error(
+    background: trio.Nursery,
+) -> None:
     # "\xb2" is "²" in latin-1: str.isdigit() accepts it, int() does not.
-    app, upstream = make_app(CONFIGS["pd"], engine)
+    app, upstream = make_app(CONFIGS["pd"], engine, background)
     headers = [(b"content-type", b"application/json"), (b"content-length", b"\xb2")]
     answer = await drive(app, "POST", "/v1/completions", headers, [b'{"prompt": "hi"}'])
     check(app, upstream, "/v1/completions", answer)
 
 
 @pytest.mark.parametrize("name", [b"traceparent", b"authorization", b"x-request-id"])
-async def test_non_ascii_forwarded_header_is_not_a_500(name: bytes) -> None:
+async def test_non_ascii_forwarded_header_is_not_a_500(
+    name: bytes, background: trio.Nursery
+) -> None:
     # h11 (hence hypercorn) accepts obs-text bytes 0x80-0xff in header values.
-    app, upstream = make_app(CONFIGS["pd"], engine)
+    app, upstream = make_app(CONFIGS["pd"], engine, background)
     headers = [(b"content-type", b"application/json"), (name, b"caf\xe9")]
     answer = await drive(app, "POST", "/v1/completions", headers, [b'{"prompt": "hi"}'])
     check(app, upstream, "/v1/completions", answer)
 
 
-async def test_json_nested_too_deep_to_forward_is_a_400() -> None:
+async def test_json_nested_too_deep_to_forward_is_a_400(background: trio.Nursery) -> None:
     """orjson reads deeper nesting than it writes: such a body must be refused, not a 500."""
     from .harness import call
 
@@ -316,7 +322,7 @@ async def test_json_nested_too_deep_to_forward_is_a_400() -> None:
         upstream_calls.append(request)
         return httpx.Response(200, json={})
 
-    app, _ = make_app(pd_config(), handler)
+    app, _ = make_app(pd_config(), handler, background)
     deep = b'{"prompt": "x", "extra": ' + b"[" * 300 + b"]" * 300 + b"}"
     assert orjson.loads(deep)  # parses fine; orjson could not serialise it again
     ex = await call(

@@ -29,6 +29,7 @@ tests/test_lifecycle_machine.py`` for a soak with many more and longer runs.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections import Counter
@@ -51,8 +52,10 @@ from hypothesis.stateful import (
 
 from trio_pdrouter.app import RouterApp
 from trio_pdrouter.config import RetrySettings, RouterConfig, Timeouts
+from trio_pdrouter.lifecycle import KvOwner, Phase, successors
 from trio_pdrouter.server import build_app
 from trio_pdrouter.sse import DONE
+from trio_pdrouter.upstream import client_timeout
 
 from .harness import KV, Exchange, ScriptedBody, ScriptedUpstream, call
 
@@ -257,18 +260,6 @@ class ErrorLog(logging.Handler):
         self.records.append(record)
 
 
-def _client_timeout(config: RouterConfig) -> httpx.Timeout:
-    # The same limits trio_pdrouter.upstream.make_client gives the real client.
-    t = config.timeouts
-    return httpx.Timeout(connect=t.connect, read=t.request, write=t.request, pool=t.request)
-
-
-def _attach_background(app: RouterApp, nursery: trio.Nursery) -> None:
-    # The stranded-KV release runs in a nursery that outlives the request; run_router provides
-    # it in production (app.proxy.background), build_app leaves it to the caller.
-    app.proxy.background = nursery
-
-
 # -- the machine -----------------------------------------------------------------------------------
 
 # Successes and failures are separate rules so that half the answers let a request go on (rules
@@ -305,9 +296,12 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.clock = trio.testing.MockClock()
         self.loop = TrioLoopThread(self.clock)
         self.upstream = ScriptedUpstream(self._answer)
-        config = self.config.validate()
-        self.client = httpx.AsyncClient(transport=self.upstream, timeout=_client_timeout(config))
-        self.app = build_app(config, self.client)
+        # The same limits trio_pdrouter.upstream.make_client gives the real client.
+        timeout = client_timeout(self.config.validate().timeouts)
+        self.client = httpx.AsyncClient(transport=self.upstream, timeout=timeout)
+        #: The app of the server running now (each start builds one: its background nursery,
+        #: where stranded-KV reclaims run, lives as long as that server).
+        self.app: RouterApp
         self.requests: dict[str, ClientRequest] = {}
         self.calls: list[UpstreamCall] = []
         self.errors = ErrorLog()
@@ -345,7 +339,7 @@ class LifecycleMachine(RuleBasedStateMachine):
                 with trio.CancelScope() as scope:
                     async with trio.open_nursery() as nursery:
                         self.server_scope, self.server_nursery = scope, nursery
-                        _attach_background(self.app, nursery)
+                        self.app = build_app(self.config, self.client, nursery)
                         task_status.started()
                         await trio.sleep_forever()
             finally:
@@ -607,7 +601,7 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     @invariant()
     def load_is_what_the_engines_are_serving(self) -> None:
-        snapshot = self.app.routing.ledger.snapshot()
+        snapshot = self.app.ledger.snapshot()
         open_calls = Counter(c.endpoint for c in self.calls if c.open)
         in_prefill = sum(1 for c in self.calls if c.open and c.stage == "prefill")
         for role, counts in snapshot.items():
@@ -626,6 +620,58 @@ class LifecycleMachine(RuleBasedStateMachine):
             f"decode total: ledger {decode}, expected {expected} "
             f"(open decode calls + requests in prefill) {state}"
         )
+
+    @invariant()
+    def the_router_knows_where_each_request_is(self) -> None:
+        """Each request the router serves moved only along the lifecycle table, and its phase
+        and KV owner are what an observer of the client and the engines would say."""
+        serving = {r.inf.request_id: r for r in self.app.proxy.in_flight}
+        for rid, served in serving.items():
+            req = self.requests[rid]
+            assert not req.ended, f"{rid} ended but the router still serves it"
+            history = served.life.history
+            for before, after in itertools.pairwise(history):
+                assert after in successors(before), f"{rid}: {before} -> {after} in {history}"
+            phase = served.life.phase
+            expected = self._expected_phases(req)
+            assert phase in expected, f"{rid} is {phase}, expected {expected}: {self._describe()}"
+            kv = self._expected_kv(req)
+            if kv is not None and phase is not Phase.CLIENT_GONE:
+                assert served.life.kv is kv, f"{rid}: KV held by {served.life.kv}, not {kv}"
+
+    def _expected_phases(self, req: ClientRequest) -> frozenset[Phase]:
+        if req.exchange.disconnect.is_set():
+            return frozenset({Phase.CLIENT_GONE})
+        calls = [c for c in req.calls if not c.stranded]
+        last = calls[-1] if calls else None
+        if last is not None and last.open:
+            if last.stage == "prefill":
+                return frozenset({Phase.PREFILLING})
+            if last.decision == "200" and req.stream:
+                return frozenset({Phase.STREAMING})
+            return frozenset({Phase.DECODING})
+        if req.exchange.draining.is_set():
+            # Reading, and no engine works for it: only a retry's backoff is left.
+            return frozenset({Phase.RETRYING})
+        # A client that stopped reading holds a send: mid-stream, or the final one.
+        return frozenset({Phase.RETRYING, Phase.STREAMING, Phase.ANSWERED, Phase.FAILED})
+
+    def _expected_kv(self, req: ClientRequest) -> KvOwner | None:
+        """Who holds the current attempt's KV, when the calls tell (None: they do not)."""
+        calls = [c for c in req.calls if not c.stranded]
+        if not calls or calls[-1].stage == "worker":
+            return KvOwner.NONE
+        last = calls[-1]
+        prefill = calls[-2] if last.stage == "decode" and len(calls) > 1 else None
+        if last.stage == "prefill" or prefill is None or not last.open:
+            return None
+        if prefill.decision == "ok_no_kv":
+            return KvOwner.NONE
+        # Decode is taken to have pulled the blocks once it answered (see trio_pdrouter.lifecycle):
+        # a stream's head; a whole answer, which ends the call, otherwise.
+        if req.stream and not last.awaiting_head:
+            return KvOwner.DECODE
+        return KvOwner.PREFILL
 
     @invariant()
     def nothing_was_swallowed_or_escaped(self) -> None:
@@ -675,8 +721,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         )
 
     def check_everything_released(self) -> None:
-        snapshot = self.app.routing.ledger.snapshot()
-        assert self.app.routing.ledger.total() == 0, snapshot
+        snapshot = self.app.ledger.snapshot()
+        assert self.app.ledger.total() == 0, snapshot
+        assert not self.app.proxy.in_flight, "the router still serves requests after shutdown"
         for c in self.calls:
             assert not c.open, f"call {c.number} still open after shutdown: {self._describe()}"
             assert c.body is None or c.body.closed, f"call {c.number} never closed"

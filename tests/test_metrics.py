@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from trio_pdrouter.endpoints import Endpoint, Role
 from trio_pdrouter.load import LoadLedger
 from trio_pdrouter.metrics import CONTENT_TYPE, RouterMetrics
-from trio_pdrouter.proxy import RequestRecord
+from trio_pdrouter.record import RequestRecord
 
 from .cluster import start_cluster
 from .harness import call, json_response, make_app, pd_config
@@ -142,11 +142,12 @@ def test_hooks_for_breakers_health_admission_policies_and_stranded_kv() -> None:
 
 async def test_retried_prefill_errors_are_counted_in_memory(
     autojump_clock: trio.testing.MockClock,
+    background: trio.Nursery,
 ) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         return json_response({"error": "busy"}, 503)
 
-    app, upstream = make_app(pd_config(), handler)
+    app, upstream = make_app(pd_config(), handler, background)
     ex = await call(app, "POST", "/v1/completions", {**COMPLETION, "max_tokens": 2})
     assert ex.status == 502
     attempts = len(upstream.requests)
@@ -189,7 +190,7 @@ async def test_metrics_move_under_traffic_against_simulators() -> None:
             for (name, labels), v in s.items()
             if name == "trio_pdrouter_in_flight"
         }
-        keys = {ep.key for ep in c.router.routing.all_endpoints()}
+        keys = {ep.key for ep in c.router.app.fleet.endpoints()}
         assert set(in_flight) == keys and set(in_flight.values()) == {0}
         # Scrape-driven series exist once a scrape ran (the first one runs at start).
         await c.router.app.engine_truth.scrape()  # type: ignore[union-attr]

@@ -1,4 +1,7 @@
+import attrs
+
 from trio_pdrouter import pd
+from trio_pdrouter.config import RouterConfig
 from trio_pdrouter.endpoints import Endpoint, Role
 
 BODY = {
@@ -79,10 +82,11 @@ def test_headers_forward_auth_trace_and_rank_but_nothing_hop_by_hop() -> None:
 
 
 def test_request_id_prefers_the_clients() -> None:
-    assert pd.request_id({"x-request-id": "abc"}) == "abc"
+    names = attrs.fields(RouterConfig).request_id_headers.default
+    assert pd.request_id({"x-request-id": "abc"}, names) == "abc"
     assert pd.request_id({"x-trace-id": "t"}, ["x-trace-id"]) == "t"
-    generated = pd.request_id({})
-    assert len(generated) == 32 and generated != pd.request_id({})
+    generated = pd.request_id({}, names)
+    assert len(generated) == 32 and generated != pd.request_id({}, names)
 
 
 def test_p2p_nccl_request_id_names_both_peers() -> None:
@@ -93,3 +97,13 @@ def test_p2p_nccl_request_id_names_both_peers() -> None:
     prefix = "___prefill_addr_10.0.0.1:8100___decode_addr_10.0.0.2:8200_"
     assert rid.startswith(prefix)
     assert len(rid) == len(prefix) + 32
+
+
+def test_the_stranded_kv_pull_is_capped_at_one_token_like_the_prefill() -> None:
+    for cap in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+        body = {"model": "m", "prompt": "x", cap: 50, "min_tokens": 5, "stream_options": {}}
+        kv = {"remote_block_ids": [1]}
+        out = pd.stranded_decode_body(body, kv)
+        assert out[cap] == 1 and pd.prefill_body(body)[cap] == 1
+        assert out["kv_transfer_params"] == kv and out["stream"] is True
+        assert "min_tokens" not in out and "stream_options" not in out

@@ -18,7 +18,9 @@ def make(**overrides: int) -> CacheAware:
     settings = PolicySettings(
         cache_threshold=0.5, balance_abs_threshold=32, balance_rel_threshold=1.1, **overrides
     )
-    policy = CacheAware(settings, random.Random(0), stage="decode")
+    policy = CacheAware(
+        settings, random.Random(0), stage="decode", on_decision=lambda stage, reason: None
+    )
     policy.set_endpoints(EPS)
     return policy
 

@@ -27,7 +27,9 @@ from .harness import (
 )
 
 
-async def test_pd_stream_shapes_both_legs_and_holds_decode_load_until_the_last_byte() -> None:
+async def test_pd_stream_shapes_both_legs_and_holds_decode_load_until_the_last_byte(
+    background: trio.Nursery,
+) -> None:
     decode_bodies = []
 
     async def handler(request: httpx.Request) -> httpx.Response:
@@ -37,7 +39,7 @@ async def test_pd_stream_shapes_both_legs_and_holds_decode_load_until_the_last_b
         decode_bodies.append(body)
         return response
 
-    app, upstream = make_app(pd_config(), handler)
+    app, upstream = make_app(pd_config(), handler, background)
     ex = Exchange()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(
@@ -78,12 +80,12 @@ async def test_pd_stream_shapes_both_legs_and_holds_decode_load_until_the_last_b
     assert decode_bodies[0].closed
 
 
-async def test_the_historic_bug_switch_releases_decode_at_headers() -> None:
+async def test_the_historic_bug_switch_releases_decode_at_headers(background: trio.Nursery) -> None:
     """The test-only switch reproduces the bug, so the assertion above can fail."""
     handler = StreamingDecode()
     bodies = handler.bodies
 
-    app, _ = make_app(pd_config(release_decode_at_headers=True), handler)
+    app, _ = make_app(pd_config(release_decode_at_headers=True), handler, background)
     ex = Exchange()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(lambda: call(app, "POST", "/v1/completions", REQUEST, exchange=ex))
@@ -95,7 +97,9 @@ async def test_the_historic_bug_switch_releases_decode_at_headers() -> None:
 
 
 @pytest.mark.parametrize("phase", ["during_prefill", "before_decode_head", "mid_stream"])
-async def test_client_disconnect_closes_upstream_and_releases_everything(phase: str) -> None:
+async def test_client_disconnect_closes_upstream_and_releases_everything(
+    phase: str, background: trio.Nursery
+) -> None:
     prefill_waiting = trio.Event()
     decode_waiting = trio.Event()
     bodies = []
@@ -106,14 +110,14 @@ async def test_client_disconnect_closes_upstream_and_releases_everything(phase: 
                 prefill_waiting.set()
                 await trio.sleep_forever()
             return json_response(PREFILL_ANSWER)
-        if phase == "before_decode_head":
+        if phase == "before_decode_head" and not decode_waiting.is_set():
             decode_waiting.set()
             await trio.sleep_forever()
         response, body = streaming()
         bodies.append(body)
         return response
 
-    app, _ = make_app(pd_config(), handler)
+    app, _ = make_app(pd_config(), handler, background)
     ex = Exchange()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(lambda: call(app, "POST", "/v1/completions", REQUEST, exchange=ex))
@@ -128,17 +132,29 @@ async def test_client_disconnect_closes_upstream_and_releases_everything(phase: 
             bodies[0].push(EVENT)
             await trio.testing.wait_all_tasks_blocked()
         ex.disconnect.set()
+    if phase == "before_decode_head":
+        # The prefill's KV blocks were stranded: a one-token decode now pulls them, and only it
+        # is still charged.
+        await trio.testing.wait_all_tasks_blocked()
+        assert loads(app) == {
+            "prefill": {"http://prefill:8100": 0},
+            "decode": {"http://decode:8200": 1},
+        }
+        bodies[0].push(EVENT)
+        await trio.testing.wait_all_tasks_blocked()
     assert total_load(app) == 0
     assert not ex.complete, "nothing is sent to a client that left"
     if phase == "mid_stream":
         assert bodies[0].closed and not bodies[0].read_to_end
 
 
-async def test_decode_failure_mid_stream_ends_with_error_event_and_done() -> None:
+async def test_decode_failure_mid_stream_ends_with_error_event_and_done(
+    background: trio.Nursery,
+) -> None:
     handler = StreamingDecode()
     bodies = handler.bodies
 
-    app, _ = make_app(pd_config(), handler)
+    app, _ = make_app(pd_config(), handler, background)
     ex = Exchange()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(lambda: call(app, "POST", "/v1/completions", REQUEST, exchange=ex))
@@ -154,7 +170,7 @@ async def test_decode_failure_mid_stream_ends_with_error_event_and_done() -> Non
     assert total_load(app) == 0
 
 
-async def test_stream_that_ends_without_done_is_reported() -> None:
+async def test_stream_that_ends_without_done_is_reported(background: trio.Nursery) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "prefill":
             return json_response(PREFILL_ANSWER)
@@ -163,7 +179,7 @@ async def test_stream_that_ends_without_done_is_reported() -> None:
         body.end()
         return response
 
-    app, _ = make_app(pd_config(), handler)
+    app, _ = make_app(pd_config(), handler, background)
     ex = await call(app, "POST", "/v1/completions", REQUEST)
     assert bytes(ex.body).startswith(EVENT) and bytes(ex.body).endswith(DONE)
     assert b"without [DONE]" in bytes(ex.body)
@@ -185,6 +201,7 @@ async def test_prefill_answers_are_mapped(  # type: ignore[no-untyped-def]
     error_type: str | None,
     attempts: int,
     autojump_clock: trio.testing.MockClock,
+    background: trio.Nursery,
 ) -> None:
     """4xx passes through at once; 5xx is retried (5 attempts by default), then a 502."""
 
@@ -192,7 +209,7 @@ async def test_prefill_answers_are_mapped(  # type: ignore[no-untyped-def]
         assert request.url.host == "prefill", "decode must not run after a failed prefill"
         return prefill()
 
-    app, upstream = make_app(pd_config(), handler)
+    app, upstream = make_app(pd_config(), handler, background)
     ex = await call(app, "POST", "/v1/completions", REQUEST)
     assert ex.status == status
     body = ex.json()
@@ -213,12 +230,15 @@ async def test_prefill_answers_are_mapped(  # type: ignore[no-untyped-def]
     ],
 )
 async def test_prefill_transport_errors(
-    exc: Exception, status: int, autojump_clock: trio.testing.MockClock
+    exc: Exception,
+    status: int,
+    autojump_clock: trio.testing.MockClock,
+    background: trio.Nursery,
 ) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         raise exc
 
-    app, _ = make_app(pd_config(), handler)
+    app, _ = make_app(pd_config(), handler, background)
     ex = await call(
         app, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}
     )
@@ -227,7 +247,9 @@ async def test_prefill_transport_errors(
     assert total_load(app) == 0
 
 
-async def test_prefill_timeout_is_504(autojump_clock: trio.testing.MockClock) -> None:
+async def test_prefill_timeout_is_504(
+    autojump_clock: trio.testing.MockClock, background: trio.Nursery
+) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         await trio.sleep_forever()
         raise AssertionError
@@ -237,37 +259,37 @@ async def test_prefill_timeout_is_504(autojump_clock: trio.testing.MockClock) ->
 
     from trio_pdrouter.config import Timeouts
 
-    app, _ = make_app(attrs.evolve(config, timeouts=Timeouts(request=5.0)), handler)
+    app, _ = make_app(attrs.evolve(config, timeouts=Timeouts(request=5.0)), handler, background)
     ex = await call(app, "POST", "/v1/completions", {"prompt": "x"})
     assert ex.status == 504
     assert total_load(app) == 0
 
 
-async def test_decode_4xx_before_streaming_is_passed_through() -> None:
+async def test_decode_4xx_before_streaming_is_passed_through(background: trio.Nursery) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "prefill":
             return json_response(PREFILL_ANSWER)
         return json_response({"error": {"message": "too long", "code": 400}}, 400)
 
-    app, _ = make_app(pd_config(), handler)
+    app, _ = make_app(pd_config(), handler, background)
     ex = await call(app, "POST", "/v1/completions", REQUEST)
     assert ex.status == 400 and ex.json()["error"]["message"] == "too long"
     assert total_load(app) == 0
 
 
-async def test_prefill_stop_token_sends_decode_without_params() -> None:
+async def test_prefill_stop_token_sends_decode_without_params(background: trio.Nursery) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "prefill":
             return json_response({**PREFILL_ANSWER, "kv_transfer_params": None})
         return json_response({"choices": [{"text": "done"}]})
 
-    app, upstream = make_app(pd_config(), handler)
+    app, upstream = make_app(pd_config(), handler, background)
     ex = await call(app, "POST", "/v1/completions", {"prompt": "x"})
     assert ex.status == 200 and ex.json() == {"choices": [{"text": "done"}]}
     assert "kv_transfer_params" not in upstream.json_of(1)
 
 
-async def test_non_streaming_merges_prompt_logprobs_from_prefill() -> None:
+async def test_non_streaming_merges_prompt_logprobs_from_prefill(background: trio.Nursery) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "prefill":
             return json_response(
@@ -281,7 +303,7 @@ async def test_non_streaming_merges_prompt_logprobs_from_prefill() -> None:
             {"choices": [{"text": "ok"}], "prompt_logprobs": None, "usage": {"prompt_tokens": 2}}
         )
 
-    app, _ = make_app(pd_config(), handler)
+    app, _ = make_app(pd_config(), handler, background)
     ex = await call(app, "POST", "/v1/completions", {"prompt": "x", "prompt_logprobs": 1})
     body = ex.json()
     assert body["prompt_logprobs"] == [None, {"5": -1.5}]
@@ -289,17 +311,21 @@ async def test_non_streaming_merges_prompt_logprobs_from_prefill() -> None:
     assert total_load(app) == 0
 
 
-async def test_non_streaming_disconnect_while_decode_is_buffering() -> None:
+async def test_non_streaming_disconnect_while_decode_is_buffering(background: trio.Nursery) -> None:
     decode_waiting = trio.Event()
 
     async def handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "prefill":
             return json_response(PREFILL_ANSWER)
+        if decode_waiting.is_set():  # the stranded-KV reclaim: its first event ends it
+            response, body = streaming()
+            body.push(EVENT)
+            return response
         decode_waiting.set()
         await trio.sleep_forever()
         raise AssertionError
 
-    app, _ = make_app(pd_config(), handler)
+    app, _ = make_app(pd_config(), handler, background)
     ex = Exchange()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(
@@ -314,10 +340,11 @@ async def test_non_streaming_disconnect_while_decode_is_buffering() -> None:
         await decode_waiting.wait()
         assert loads(app)["decode"]["http://decode:8200"] == 1
         ex.disconnect.set()
+    await trio.testing.wait_all_tasks_blocked()
     assert total_load(app) == 0
 
 
-async def test_regular_mode_relays_one_leg() -> None:
+async def test_regular_mode_relays_one_leg(background: trio.Nursery) -> None:
     from trio_pdrouter.config import RouterConfig
 
     async def handler(request: httpx.Request) -> httpx.Response:
@@ -327,20 +354,22 @@ async def test_regular_mode_relays_one_leg() -> None:
         return response
 
     config = RouterConfig(worker_urls=("http://w:1",), policy="round_robin")
-    app, upstream = make_app(config, handler)
+    app, upstream = make_app(config, handler, background)
     ex = await call(app, "POST", "/v1/completions", REQUEST)
     assert bytes(ex.body) == EVENT + DONE
     assert upstream.json_of(0) == REQUEST, "regular mode sends the body unchanged"
     assert loads(app) == {"regular": {"http://w:1": 0}}
 
 
-async def test_dp_ranks_are_separate_endpoints_with_the_rank_header() -> None:
+async def test_dp_ranks_are_separate_endpoints_with_the_rank_header(
+    background: trio.Nursery,
+) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "prefill":
             return json_response(PREFILL_ANSWER)
         return json_response({"choices": []})
 
-    app, upstream = make_app(pd_config(dp_size=2), handler)
+    app, upstream = make_app(pd_config(dp_size=2), handler, background)
     for _ in range(4):
         await call(app, "POST", "/v1/completions", {"prompt": "x"})
     ranks = [r.headers["x-data-parallel-rank"] for r in upstream.requests]

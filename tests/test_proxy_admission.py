@@ -5,7 +5,6 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from trio_pdrouter.admission import Admission
 from trio_pdrouter.config import AdmissionSettings
 from trio_pdrouter.sse import DONE
 
@@ -21,19 +20,20 @@ from .harness import (
 )
 
 
-def app_with_cap(cap: int, queue: int, timeout: float = 60.0):  # type: ignore[no-untyped-def]
+def app_with_cap(background: trio.Nursery, cap: int, queue: int, timeout: float = 60.0):  # type: ignore[no-untyped-def]
     handler = StreamingDecode()
     bodies = handler.bodies
-
-    app, upstream = make_app(pd_config(), handler)
-    app.proxy.admission = Admission(
-        AdmissionSettings(max_concurrent_requests=cap, queue_size=queue, queue_timeout_secs=timeout)
+    admission = AdmissionSettings(
+        max_concurrent_requests=cap, queue_size=queue, queue_timeout_secs=timeout
     )
+    app, upstream = make_app(pd_config(admission=admission), handler, background)
     return app, upstream, bodies
 
 
-async def test_a_stream_holds_its_slot_until_its_end_then_the_queue_moves() -> None:
-    app, upstream, bodies = app_with_cap(cap=1, queue=1)
+async def test_a_stream_holds_its_slot_until_its_end_then_the_queue_moves(
+    background: trio.Nursery,
+) -> None:
+    app, upstream, bodies = app_with_cap(background, cap=1, queue=1)
     first, second = Exchange(), Exchange()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(lambda: call(app, "POST", "/v1/completions", REQUEST, exchange=first))
@@ -52,8 +52,10 @@ async def test_a_stream_holds_its_slot_until_its_end_then_the_queue_moves() -> N
     assert total_load(app) == 0
 
 
-async def test_queue_timeout_is_408(autojump_clock: trio.testing.MockClock) -> None:
-    app, _, bodies = app_with_cap(cap=1, queue=4, timeout=3.0)
+async def test_queue_timeout_is_408(
+    autojump_clock: trio.testing.MockClock, background: trio.Nursery
+) -> None:
+    app, _, bodies = app_with_cap(background, cap=1, queue=4, timeout=3.0)
     first = Exchange()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(lambda: call(app, "POST", "/v1/completions", REQUEST, exchange=first))
@@ -65,8 +67,8 @@ async def test_queue_timeout_is_408(autojump_clock: trio.testing.MockClock) -> N
     assert total_load(app) == 0
 
 
-async def test_a_client_leaving_the_queue_frees_its_place() -> None:
-    app, _, bodies = app_with_cap(cap=1, queue=1)
+async def test_a_client_leaving_the_queue_frees_its_place(background: trio.Nursery) -> None:
+    app, _, bodies = app_with_cap(background, cap=1, queue=1)
     first, quitter = Exchange(), Exchange()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(lambda: call(app, "POST", "/v1/completions", REQUEST, exchange=first))

@@ -9,7 +9,6 @@ import trio
 import trio.testing
 
 from trio_pdrouter.config import RetrySettings, Timeouts
-from trio_pdrouter.endpoints import Endpoint
 from trio_pdrouter.sse import DONE
 
 from .harness import (
@@ -32,6 +31,7 @@ TWO_PREFILLS = {"prefill_urls": ("http://p1:1", "http://p2:2")}
 
 async def test_prefill_5xx_is_retried_on_another_endpoint(
     autojump_clock: trio.testing.MockClock,
+    background: trio.Nursery,
 ) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "p1":
@@ -40,7 +40,7 @@ async def test_prefill_5xx_is_retried_on_another_endpoint(
             return json_response(PREFILL_ANSWER)
         return json_response({"choices": [{"text": "ok"}]})
 
-    app, upstream = make_app(pd_config(**TWO_PREFILLS), handler)
+    app, upstream = make_app(pd_config(**TWO_PREFILLS), handler, background)
     for _ in range(4):
         ex = await call(app, "POST", "/v1/completions", {"prompt": "x"})
         assert ex.status == 200
@@ -53,6 +53,7 @@ async def test_prefill_5xx_is_retried_on_another_endpoint(
 
 async def test_decode_failure_before_any_byte_retries_with_a_fresh_prefill(
     autojump_clock: trio.testing.MockClock,
+    background: trio.Nursery,
 ) -> None:
     decode_calls = 0
 
@@ -68,14 +69,14 @@ async def test_decode_failure_before_any_byte_retries_with_a_fresh_prefill(
         body.end()
         return response
 
-    app, upstream = make_app(pd_config(), handler)
+    app, upstream = make_app(pd_config(), handler, background)
     ex = await call(app, "POST", "/v1/completions", REQUEST)
     assert ex.status == 200 and bytes(ex.body) == EVENT + DONE
     assert [r.url.host for r in upstream.requests] == ["prefill", "decode", "prefill", "decode"]
     assert total_load(app) == 0
 
 
-async def test_no_retry_after_the_first_byte() -> None:
+async def test_no_retry_after_the_first_byte(background: trio.Nursery) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "prefill":
             return json_response(PREFILL_ANSWER)
@@ -84,25 +85,29 @@ async def test_no_retry_after_the_first_byte() -> None:
         body.fail(httpx.RemoteProtocolError("peer closed"))
         return response
 
-    app, upstream = make_app(pd_config(), handler)
+    app, upstream = make_app(pd_config(), handler, background)
     ex = await call(app, "POST", "/v1/completions", REQUEST)
     assert ex.status == 200 and bytes(ex.body).startswith(EVENT) and bytes(ex.body).endswith(DONE)
     assert len(upstream.requests) == 2
     assert total_load(app) == 0
 
 
-async def test_429_is_retried_then_passed_through(autojump_clock: trio.testing.MockClock) -> None:
+async def test_429_is_retried_then_passed_through(
+    autojump_clock: trio.testing.MockClock, background: trio.Nursery
+) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         return json_response({"error": {"message": "slow down", "code": 429}}, 429)
 
     config = pd_config(retry=RetrySettings(max_retries=3))
-    app, upstream = make_app(config, handler)
+    app, upstream = make_app(config, handler, background)
     ex = await call(app, "POST", "/v1/completions", {"prompt": "x"})
     assert ex.status == 429 and ex.json()["error"]["message"] == "slow down"
     assert len(upstream.requests) == 3
 
 
-async def test_decode_first_byte_timeout_is_504(autojump_clock: trio.testing.MockClock) -> None:
+async def test_decode_first_byte_timeout_is_504(
+    autojump_clock: trio.testing.MockClock, background: trio.Nursery
+) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "prefill":
             return json_response(PREFILL_ANSWER)
@@ -110,7 +115,7 @@ async def test_decode_first_byte_timeout_is_504(autojump_clock: trio.testing.Moc
         raise AssertionError
 
     config = pd_config(timeouts=Timeouts(first_byte=2.0), retry=RetrySettings(max_retries=2))
-    app, _ = make_app(config, handler)
+    app, _ = make_app(config, handler, background)
     for body in (REQUEST, {"prompt": "x"}):  # streaming, then buffered
         started = trio.current_time()
         ex = await call(app, "POST", "/v1/completions", body)
@@ -119,7 +124,9 @@ async def test_decode_first_byte_timeout_is_504(autojump_clock: trio.testing.Moc
     assert total_load(app) == 0
 
 
-async def test_client_leaving_before_decode_answers_releases_the_stranded_kv() -> None:
+async def test_client_leaving_before_decode_answers_releases_the_stranded_kv(
+    background: trio.Nursery,
+) -> None:
     stranded_seen = trio.Event()
     first_decode = trio.Event()
 
@@ -134,42 +141,41 @@ async def test_client_leaving_before_decode_answers_releases_the_stranded_kv() -
         body.push(EVENT)
         return response  # never ends: the router must close it after the first event
 
-    app, upstream = make_app(pd_config(), handler)
-    released: list[Endpoint] = []
-    app.proxy.on_stranded = released.append
+    app, upstream = make_app(pd_config(), handler, background)
     ex = Exchange()
-    async with trio.open_nursery() as background:
-        app.proxy.background = background
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: call(app, "POST", "/v1/completions", REQUEST, exchange=ex))
-            await first_decode.wait()
-            ex.disconnect.set()
-        with trio.fail_after(5):  # a guard against hanging if no release is sent, not a sync
-            await stranded_seen.wait()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: call(app, "POST", "/v1/completions", REQUEST, exchange=ex))
+        await first_decode.wait()
+        ex.disconnect.set()
+    with trio.fail_after(5):  # a guard against hanging if no release is sent, not a sync
+        await stranded_seen.wait()
+    await trio.testing.wait_all_tasks_blocked()  # the reclaim reads its first event and ends
     stranded = orjson.loads(upstream.requests[-1].content)
     assert stranded["kv_transfer_params"] == KV
     assert stranded["max_tokens"] == 1 and stranded["stream"] is True
     assert "min_tokens" not in stranded and "stream_options" not in stranded
     assert upstream.bodies[-1].closed
-    assert [ep.key for ep in released] == ["http://decode:8200"]
+    handoffs = app.metrics.registry.get_sample_value(
+        "trio_pdrouter_stranded_kv_handoffs_total", {"endpoint": "http://decode:8200"}
+    )
+    assert handoffs == 1
     assert total_load(app) == 0
 
 
-async def test_no_stranded_release_when_decode_already_answered() -> None:
+async def test_no_stranded_release_when_decode_already_answered(background: trio.Nursery) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "prefill":
             return json_response(PREFILL_ANSWER)
         response, _ = streaming()
         return response
 
-    app, upstream = make_app(pd_config(), handler)
+    app, upstream = make_app(pd_config(), handler, background)
     ex = Exchange()
-    async with trio.open_nursery() as background:
-        app.proxy.background = background
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: call(app, "POST", "/v1/completions", REQUEST, exchange=ex))
-            await ex.started.wait()
-            ex.disconnect.set()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: call(app, "POST", "/v1/completions", REQUEST, exchange=ex))
+        await ex.started.wait()
+        ex.disconnect.set()
+    await trio.testing.wait_all_tasks_blocked()
     assert len(upstream.requests) == 2
     assert loads(app)["decode"] == {"http://decode:8200": 0}
 

@@ -2,7 +2,8 @@ import pytest
 import trio
 import trio.testing
 
-from trio_pdrouter import errors
+from trio_pdrouter import outcomes
+from trio_pdrouter.endpoints import Endpoint, Role
 from trio_pdrouter.relay import RelayBuffer, RelayOverflow
 
 
@@ -15,7 +16,7 @@ async def test_writer_gets_everything_pending_in_one_piece() -> None:
     buffer.close()
     assert await buffer.take() == b"c"
     assert await buffer.take() is None
-    assert buffer.error is None
+    assert buffer.failure is None
 
 
 async def test_writer_waits_for_data_then_sees_the_error() -> None:
@@ -32,11 +33,11 @@ async def test_writer_waits_for_data_then_sees_the_error() -> None:
         await trio.testing.wait_all_tasks_blocked()
         buffer.put(b"x")
         await trio.testing.wait_all_tasks_blocked()
-        err = errors.upstream_failed("decode", "e", "reset")
+        err = outcomes.invalid("decode", Endpoint("http://e:1", Role.DECODE), "no [DONE]")
         buffer.close(err)
         buffer.close(None)  # the first close wins
     assert got == [b"x", None]
-    assert buffer.error is err
+    assert buffer.failure is err
 
 
 def test_overflow_past_the_limit() -> None:

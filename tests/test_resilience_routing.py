@@ -16,6 +16,7 @@ TWO_PREFILLS = ("http://p1:1", "http://p2:2")
 
 async def test_breaker_opens_on_failures_and_policies_skip_the_endpoint(
     autojump_clock: trio.testing.MockClock,
+    background: trio.Nursery,
 ) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "p1":
@@ -28,7 +29,7 @@ async def test_breaker_opens_on_failures_and_policies_skip_the_endpoint(
         prefill_urls=TWO_PREFILLS,
         breaker=BreakerSettings(failure_threshold=2, timeout_duration_secs=60),
     )
-    app, upstream = make_app(config, handler)
+    app, upstream = make_app(config, handler, background)
     for _ in range(10):
         assert (await call(app, "POST", "/v1/completions", {"prompt": "x"})).status == 200
     p1_calls = [r for r in upstream.requests if r.url.host == "p1"]
@@ -42,6 +43,7 @@ async def test_breaker_opens_on_failures_and_policies_skip_the_endpoint(
 
 async def test_half_open_trial_closes_the_circuit_after_recovery(
     autojump_clock: trio.testing.MockClock,
+    background: trio.Nursery,
 ) -> None:
     broken = True
 
@@ -57,7 +59,7 @@ async def test_half_open_trial_closes_the_circuit_after_recovery(
         breaker=BreakerSettings(failure_threshold=1, success_threshold=1, timeout_duration_secs=5),
         retry=RetrySettings(max_retries=2),
     )
-    app, upstream = make_app(config, handler)
+    app, upstream = make_app(config, handler, background)
     for _ in range(4):
         await call(app, "POST", "/v1/completions", {"prompt": "x"})
     workers = {w["key"]: w for w in (await call(app, "GET", "/workers")).json()["workers"]}
@@ -74,6 +76,7 @@ async def test_half_open_trial_closes_the_circuit_after_recovery(
 
 async def test_unhealthy_endpoint_gets_no_traffic_and_readiness_says_so(
     autojump_clock: trio.testing.MockClock,
+    background: trio.Nursery,
 ) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/health":
@@ -86,7 +89,7 @@ async def test_unhealthy_endpoint_gets_no_traffic_and_readiness_says_so(
         prefill_urls=TWO_PREFILLS,
         health=HealthSettings(interval_secs=1, failure_threshold=2, success_threshold=1),
     )
-    app, upstream = make_app(config, handler)
+    app, upstream = make_app(config, handler, background)
     async with trio.open_nursery() as nursery:
         await nursery.start(app.health.run, httpx.AsyncClient(transport=upstream))
         await trio.sleep(2.5)  # MockClock: two failed probes of p1
@@ -105,12 +108,13 @@ async def test_unhealthy_endpoint_gets_no_traffic_and_readiness_says_so(
 
 async def test_no_routable_endpoint_is_503_and_readiness_fails(
     autojump_clock: trio.testing.MockClock,
+    background: trio.Nursery,
 ) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(503)
 
     config = pd_config(health=HealthSettings(interval_secs=1, failure_threshold=1))
-    app, upstream = make_app(config, handler)
+    app, upstream = make_app(config, handler, background)
     async with trio.open_nursery() as nursery:
         await nursery.start(app.health.run, httpx.AsyncClient(transport=upstream))
         await trio.sleep(1.5)

@@ -35,11 +35,15 @@ QUEUE_TIMEOUT = "queue_timeout"
 
 
 class Rejected(Exception):
-    """The request was refused admission; answer ``error`` to the client."""
+    """The request was refused admission; answer ``error`` to the client.
 
-    def __init__(self, error: RouterError) -> None:
+    ``reason`` is :data:`QUEUE_FULL` or :data:`QUEUE_TIMEOUT`.
+    """
+
+    def __init__(self, error: RouterError, reason: str) -> None:
         super().__init__(error.message)
         self.error = error
+        self.reason = reason
 
 
 class _Waiter:
@@ -86,7 +90,8 @@ class Admission:
             raise Rejected(
                 errors.too_many_requests(
                     f"the router is serving its limit of {limit} requests and {queue}"
-                )
+                ),
+                QUEUE_FULL,
             )
         waiter = _Waiter()
         self._queue[waiter] = None
@@ -105,7 +110,7 @@ class Admission:
         if not waiter.granted:
             del self._queue[waiter]
             self.rejections[QUEUE_TIMEOUT] += 1
-            raise Rejected(errors.queue_timeout(s.queue_timeout_secs))
+            raise Rejected(errors.queue_timeout(s.queue_timeout_secs), QUEUE_TIMEOUT)
 
     def _release(self) -> None:
         """Hand the slot to the head of the queue, or free it. Never awaits."""

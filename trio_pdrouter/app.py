@@ -18,15 +18,18 @@ import trio
 
 from . import errors, pd
 from .asgi import Downstream, Receive, Reply, Scope, Send, answer_lifespan
-from .breaker import Breakers
 from .config import RouterConfig
 from .endpoints import Role
 from .engine_truth import EngineTruth
 from .errors import RouterError
+from .fleet import DuplicateServer, Fleet
 from .health import HealthBoard
+from .load import LoadLedger
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .policies.routing_key import routing_key
-from .proxy import Inference, Proxy, RequestRecord
+from .proxy import Proxy
+from .record import RequestRecord, access_line
+from .request import Inference
 from .routing import Routing
 
 log = logging.getLogger("trio_pdrouter.access")
@@ -48,25 +51,35 @@ class BadRequest(Exception):
 
 
 class RouterApp:
+    """The router's ASGI application (see the module doc).
+
+    Every collaborator is given here: the fleet (servers), routing (candidates), the ledger
+    (``/get_loads``), the proxy (inference), the upstream client (``/v1/models``), metrics,
+    the health board, and engine truth (None when ``--engine-metrics-interval`` is 0).
+    """
+
     def __init__(
         self,
         config: RouterConfig,
+        *,
+        fleet: Fleet,
         routing: Routing,
+        ledger: LoadLedger,
         proxy: Proxy,
         client: httpx.AsyncClient,
         metrics: RouterMetrics,
         health: HealthBoard,
-        breakers: Breakers,
-        engine_truth: EngineTruth | None = None,
+        engine_truth: EngineTruth | None,
     ) -> None:
         self._config = config
+        self.fleet = fleet
         self.routing = routing
+        self.ledger = ledger
         self.proxy = proxy
         self._client = client
         self.metrics = metrics
-        #: Health probes and circuit breakers (shown by /workers; runtime servers join them).
+        #: Health probes (run by :func:`trio_pdrouter.server.run_router`).
         self.health = health
-        self.breakers = breakers
         #: The engines' own counts, when --engine-metrics-interval is not 0.
         self.engine_truth = engine_truth
         self.routes: dict[str, dict[str, Handler]] = {
@@ -174,9 +187,7 @@ class RouterApp:
         await _reply(send, Reply.json(b'{"status":"ok"}'))
 
     async def _readiness(self, scope: Scope, receive: Receive, send: Send) -> None:
-        missing = [
-            role.value for role in self.routing.endpoints if not self.routing.candidates(role)
-        ]
+        missing = [role.value for role in self.routing.roles if not self.routing.candidates(role)]
         if missing:
             body = orjson.dumps({"status": "not_ready", "no_healthy_endpoint": missing})
             await _reply(send, Reply.json(body, status=503))
@@ -185,7 +196,7 @@ class RouterApp:
 
     async def _get_loads(self, scope: Scope, receive: Receive, send: Send) -> None:
         loads: dict[str, Any] = {
-            role.value: self.routing.ledger.by_role(role) for role in self.routing.endpoints
+            role.value: self.ledger.by_role(role) for role in self.routing.roles
         }
         truth = self.engine_truth
         if truth is not None:  # beside the integer maps, so existing readers are unaffected
@@ -198,23 +209,7 @@ class RouterApp:
         await _reply(send, Reply(200, [(b"content-type", CONTENT_TYPE.encode())], body))
 
     async def _workers(self, scope: Scope, receive: Receive, send: Send) -> None:
-        routable = set()
-        for role in self.routing.endpoints:
-            routable.update(self.routing.candidates(role))
-        workers = [
-            {
-                "url": ep.url,
-                "key": ep.key,
-                "role": ep.role.value,
-                "rank": ep.rank,
-                "healthy": self.health.is_healthy(ep),
-                "circuit": self.breakers.state(ep),
-                "routable": ep in routable,
-                "load": self.routing.ledger.load(ep),
-            }
-            for ep in self.routing.all_endpoints()
-        ]
-        await _reply(send, Reply.json(orjson.dumps({"workers": workers})))
+        await _reply(send, Reply.json(orjson.dumps({"workers": self.fleet.workers()})))
 
     async def _add_worker(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /workers {"url": ..., "role": "prefill"|"decode"|"regular"}``.
@@ -235,15 +230,13 @@ class RouterApp:
             await _reply(send, Reply.error(error))
             return
         try:
-            added = self.routing.add_url(url, Role(role_name))
-        except KeyError:
-            error = errors.RouterError(409, f"{url} is already a worker", "conflict_error")
-            await _reply(send, Reply.error(error))
+            added = self.fleet.add(url, Role(role_name), serving=False)
+        except DuplicateServer as exc:
+            await _reply(send, Reply.error(errors.RouterError(409, str(exc), "conflict_error")))
             return
         except ValueError as exc:
             await _reply(send, Reply.error(errors.bad_request(str(exc), "url")))
             return
-        self.health.add_url(added[0].url, healthy=False)  # traffic waits for its first probe
         log.info("worker_added url=%s role=%s endpoints=%d", added[0].url, role_name, len(added))
         payload = {"url": added[0].url, "role": role_name, "endpoints": [ep.key for ep in added]}
         await _reply(send, Reply.json(orjson.dumps(payload), status=201))
@@ -251,21 +244,13 @@ class RouterApp:
     async def _remove_worker(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``DELETE /workers/{url}``: stop routing to it, wait for its requests, forget it."""
         url = unquote(scope["path"][len(WORKER_PREFIX) :]).rstrip("/")
-        removed = self.routing.remove_url(url)
-        if not removed:
+        removal = await self.fleet.remove(url, self._config.server.graceful_timeout)
+        if removal is None:
             await _reply(send, Reply.error(errors.not_found(f"worker {url}")))
             return
-        self.health.remove_url(url)
-        for ep in removed:
-            self.breakers.forget(ep)
-        ledger = self.routing.ledger
-        with trio.move_on_after(self._config.server.graceful_timeout):
-            await ledger.wait_idle(removed)
-        in_flight = sum(ledger.load(ep) for ep in removed)
-        for ep in removed:
-            ledger.forget_idle(ep)
+        in_flight = removal.in_flight
         log.info("worker_removed url=%s in_flight=%d", url, in_flight)
-        payload = {"removed": [ep.key for ep in removed], "in_flight": in_flight}
+        payload = {"removed": [ep.key for ep in removal.removed], "in_flight": in_flight}
         await _reply(send, Reply.json(orjson.dumps(payload), status=200 if not in_flight else 202))
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -343,37 +328,6 @@ def _authorized(scope: Scope, api_key: str) -> bool:
         if name.lower() == b"authorization":
             return hmac.compare_digest(value, b"Bearer " + api_key.encode())
     return False
-
-
-def access_line(rec: RequestRecord) -> str:
-    """The access log line of one request: ``key=value`` pairs, ``-`` for what did not happen,
-    values with spaces, quotes or ``=`` in JSON quotes."""
-    fields = (
-        ("request_id", _quoted(rec.request_id)),
-        ("route", rec.route),
-        ("stream", "true" if rec.stream else "false"),
-        ("prefill", rec.prefill or "-"),
-        ("decode", rec.decode or "-"),
-        ("status", str(rec.status)),
-        ("outcome", rec.outcome),
-        ("prefill_ms", _ms(rec.prefill_ms)),
-        ("ttfb_ms", _ms(rec.ttfb_ms)),
-        ("total_ms", _ms(rec.total_ms)),
-        ("bytes", str(rec.bytes_out)),
-        ("retries", str(rec.retries)),
-    )
-    return " ".join(f"{key}={value}" for key, value in fields)
-
-
-def _quoted(value: str) -> str:
-    # Request ids come from clients: keep the line splittable on spaces whatever they send.
-    if value and all(c.isprintable() and not c.isspace() and c not in '"=' for c in value):
-        return value
-    return orjson.dumps(value).decode()
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
 
 
 async def _reply(send: Send, reply: Reply) -> None:

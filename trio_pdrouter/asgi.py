@@ -6,6 +6,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import attrs
+import trio
 
 from .errors import RouterError
 
@@ -43,13 +44,15 @@ class Reply:
 class Downstream:
     """Sends a response to the client and remembers how far it got."""
 
-    __slots__ = ("_send", "bytes_sent", "started", "status")
+    __slots__ = ("_send", "bytes_sent", "first_chunk_at", "started", "status")
 
     def __init__(self, send: Send) -> None:
         self._send = send
         self.started = False
         self.status = 0
         self.bytes_sent = 0
+        #: When the first body chunk of a streamed response was sent (trio time).
+        self.first_chunk_at: float | None = None
 
     async def start(self, status: int, headers: Headers) -> None:
         self.started = True
@@ -57,6 +60,8 @@ class Downstream:
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def chunk(self, data: bytes) -> None:
+        if self.first_chunk_at is None:
+            self.first_chunk_at = trio.current_time()
         self.bytes_sent += len(data)
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 

@@ -142,14 +142,15 @@ class RouterConfig:
             return self.decode_policy
         return self.policy
 
+    def servers(self) -> dict[Role, tuple[str, ...]]:
+        """The server URLs of each role of this mode, as given."""
+        if self.pd:
+            return {Role.PREFILL: self.prefill_urls, Role.DECODE: self.decode_urls}
+        return {Role.REGULAR: self.worker_urls}
+
     def endpoints(self) -> dict[Role, tuple[Endpoint, ...]]:
         """Every endpoint per role, DP ranks expanded."""
-        if self.pd:
-            return {
-                Role.PREFILL: expand(self.prefill_urls, Role.PREFILL, self.dp_size),
-                Role.DECODE: expand(self.decode_urls, Role.DECODE, self.dp_size),
-            }
-        return {Role.REGULAR: expand(self.worker_urls, Role.REGULAR, self.dp_size)}
+        return {role: expand(urls, role, self.dp_size) for role, urls in self.servers().items()}
 
     def validate(self) -> RouterConfig:
         """Raise :class:`ConfigError` for settings that cannot work; return self."""

@@ -8,7 +8,7 @@ What feeds each metric:
 
 * the load ledger (every charge and release): ``in_flight``;
 * the end of every inference request (:meth:`RouterMetrics.observe_request`, given the request's
-  :class:`~trio_pdrouter.proxy.RequestRecord`): ``requests_total``, ``ttfb_seconds``,
+  :class:`~trio_pdrouter.record.RequestRecord`): ``requests_total``, ``ttfb_seconds``,
   ``request_duration_seconds``, ``prefill_duration_seconds``, ``decode_duration_seconds``,
   ``upstream_errors_total``, ``retries_total``, ``admission_rejections_total``;
 * the proxy's stranded-KV release (:meth:`RouterMetrics.stranded_kv`): ``stranded_kv_handoffs``;
@@ -40,7 +40,7 @@ from .endpoints import Endpoint
 
 if TYPE_CHECKING:
     from .load import LoadLedger
-    from .proxy import RequestRecord
+    from .record import RequestRecord
 
 #: The ``Content-Type`` of :meth:`RouterMetrics.exposition`.
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -235,8 +235,8 @@ class RouterMetrics:
                 self.decode_duration.observe((rec.total_ms - rec.prefill_ms) / 1000)
         if rec.retries:
             self.retries.labels(rec.route).inc(rec.retries)
-        if rec.outcome == "rejected":
-            self.rejections.labels("queue_full" if rec.status == 429 else "queue_timeout").inc()
+        if rec.rejection is not None:
+            self.rejections.labels(rec.rejection).inc()
         for stage, endpoint, kind in rec.upstream_errors:
             self.upstream_errors.labels(stage, endpoint, kind).inc()
 

@@ -25,21 +25,26 @@ PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
 
 # Client headers passed on to both legs (lower-case, as ASGI gives them).
 FORWARDED_HEADERS = ("authorization", "traceparent", "tracestate", "baggage")
-DEFAULT_REQUEST_ID_HEADERS = ("x-request-id", "x-correlation-id", "x-trace-id")
 
 
 def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """The prefill leg's JSON: one token, no streaming, and a request for KV transfer params."""
-    out = dict(body)
+    out = _one_token(body)
     out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
     out["stream"] = False
-    out.pop("stream_options", None)  # vLLM rejects stream_options without streaming
+    return out
+
+
+def _one_token(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``body`` capped at one generated token, in every field an API spells that cap with."""
+    out = dict(body)
+    out.pop("stream_options", None)  # vLLM rejects it without streaming; nothing to report
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     if "max_output_tokens" in out:  # Responses API
         out["max_output_tokens"] = 1
-    # A minimum above one token would contradict max_tokens=1; decode restores them.
+    # A minimum above one token would contradict the cap; decode restores them.
     out.pop("min_tokens", None)
     out.pop("min_completion_tokens", None)
     return out
@@ -59,10 +64,9 @@ def decode_body(body: Mapping[str, Any], kv_transfer_params: Any) -> dict[str, A
     return out
 
 
-def request_id(
-    headers: Mapping[str, str], names: Iterable[str] = DEFAULT_REQUEST_ID_HEADERS
-) -> str:
-    """The client's request id from the first header present among ``names``, else a new one."""
+def request_id(headers: Mapping[str, str], names: Iterable[str]) -> str:
+    """The client's request id from the first header present among ``names`` (the
+    ``--request-id-headers``), else a new one."""
     for name in names:
         value = headers.get(name)
         if value:
@@ -113,12 +117,6 @@ def stranded_decode_body(body: Mapping[str, Any], kv_transfer_params: Any) -> di
     The prefill engine holds the blocks until decode pulls them or vLLM's KV timeout expires;
     pulling them at once frees that memory for requests that still have a client.
     """
-    out = decode_body(body, kv_transfer_params)
+    out = _one_token(decode_body(body, kv_transfer_params))
     out["stream"] = True
-    out.pop("stream_options", None)
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    out.pop("min_tokens", None)
-    out.pop("min_completion_tokens", None)
     return out

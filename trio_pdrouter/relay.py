@@ -1,20 +1,30 @@
-"""The hand-off between a decode stream's upstream reader and its downstream writer.
+"""The streaming decode leg: an upstream reader and a downstream writer in a nursery of their own.
 
 Why two tasks: hypercorn shields a ``send()`` to a client that stopped reading, so a relay that
 reads and writes in one task would stop reading upstream while the client stalls — the engine
 finishes, but the decode lease (held until upstream EOF) would stay charged. The reader therefore
-owns the lease and keeps reading into a :class:`RelayBuffer`; the writer drains the buffer and
-sends everything pending in one ``send()``, which also coalesces events under load.
+owns the decode load and keeps reading into a :class:`RelayBuffer`; the writer (the request's
+own task) drains the buffer and sends everything pending in one ``send()``, which also coalesces
+events under load.
 
 The buffer is bounded in bytes. A client that falls further behind than that is treated as gone:
 the reader stops, which closes the upstream connection (so the engine aborts) and releases load.
+
+Bytes go through untouched, but only whole SSE events (:class:`~.sse.EventFramer`): a partial
+tail is held back, so an error event appended after a mid-stream failure always parses.
 """
 
 from __future__ import annotations
 
+import httpx
 import trio
 
-from .errors import RouterError
+from . import outcomes
+from .asgi import Reply
+from .legs import UpstreamCall, status_failure
+from .outcomes import LegFailure
+from .request import Attempt, Request
+from .sse import EventFramer
 
 
 class RelayOverflow(Exception):
@@ -22,7 +32,9 @@ class RelayOverflow(Exception):
 
 
 class RelayBuffer:
-    __slots__ = ("_chunks", "_closed", "_limit", "_size", "_wakeup", "error")
+    """Bytes from the reader to the writer; never blocks the reader."""
+
+    __slots__ = ("_chunks", "_closed", "_limit", "_size", "_wakeup", "failure")
 
     def __init__(self, limit: int) -> None:
         self._chunks: list[bytes] = []
@@ -31,7 +43,7 @@ class RelayBuffer:
         self._closed = False
         self._wakeup = trio.Event()
         #: Set by the reader when the stream failed; the writer ends with an error event.
-        self.error: RouterError | None = None
+        self.failure: LegFailure | None = None
 
     def put(self, data: bytes) -> None:
         """Append bytes (never blocks). Raises :class:`RelayOverflow` past the limit."""
@@ -41,11 +53,11 @@ class RelayBuffer:
         if self._size > self._limit:
             raise RelayOverflow(f"client is more than {self._limit} bytes behind")
 
-    def close(self, error: RouterError | None = None) -> None:
-        """No more data; ``error`` says why the stream ended early. The first close wins."""
+    def close(self, failure: LegFailure | None = None) -> None:
+        """No more data; ``failure`` says why the stream ended early. The first close wins."""
         if not self._closed:
             self._closed = True
-            self.error = error
+            self.failure = failure
             self._wakeup.set()
 
     async def take(self) -> bytes | None:
@@ -59,3 +71,158 @@ class RelayBuffer:
         self._chunks.clear()
         self._size = 0
         return data
+
+
+class _Head:
+    """How the decode upstream answered, handed from the reader to the writer."""
+
+    __slots__ = ("content_type", "failure", "ready")
+
+    def __init__(self) -> None:
+        self.ready = trio.Event()
+        self.content_type = b"text/event-stream"
+        #: Set when the leg ended before streaming started.
+        self.failure: LegFailure | None = None
+
+    def open(self, content_type: bytes) -> None:
+        self.content_type = content_type
+        self.ready.set()
+
+    def fail(self, failure: LegFailure) -> None:
+        self.failure = failure
+        self.ready.set()
+
+
+class DecodeRelay:
+    """Relays a streaming decode (or regular) leg to the client.
+
+    :meth:`run` returns the stream's tail once it ended, or the :class:`LegFailure` that ended
+    it — before the response head (the proxy may retry) or after (the stream then ends with an
+    error event). The decode load is released at upstream EOF, error or cancellation, never
+    later because the client is slow; ``first_byte_limit`` bounds the wait for the response
+    head, ``stream_timeout`` each read.
+    """
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        *,
+        first_byte_limit: float,
+        stream_timeout: httpx.Timeout,
+        max_buffered_bytes: int,
+        release_at_headers: bool = False,
+    ) -> None:
+        self._client = client
+        self._first_byte_limit = first_byte_limit
+        self._stream_timeout = stream_timeout
+        self._max_buffered_bytes = max_buffered_bytes
+        #: Test-only: reproduce the historic bug (decode load released when headers arrive).
+        self._release_at_headers = release_at_headers
+
+    async def run(self, req: Request, attempt: Attempt, call: UpstreamCall) -> Reply | LegFailure:
+        head = _Head()
+        buffer = RelayBuffer(self._max_buffered_bytes)
+        req.decode_sent()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._read, req, attempt, call, head, buffer)
+            await head.ready.wait()
+            if head.failure is not None:
+                return head.failure
+            # Stepped before the send: once it is under way the client may have the head.
+            req.stream_started()
+            await req.down.start(
+                200,
+                [
+                    (b"content-type", head.content_type),
+                    (b"cache-control", b"no-cache"),
+                    *attempt.routing_headers(),
+                ],
+            )
+            while (data := await buffer.take()) is not None:
+                await req.down.chunk(data)
+        return buffer.failure or Reply.tail()
+
+    async def _read(
+        self,
+        req: Request,
+        attempt: Attempt,
+        call: UpstreamCall,
+        head: _Head,
+        buffer: RelayBuffer,
+    ) -> None:
+        """The upstream reader: owns the decode load until upstream EOF, error or cancel."""
+        ep, stage = call.endpoint, call.stage
+        request = self._client.build_request(
+            "POST",
+            call.url,
+            content=call.content,
+            headers=call.headers,
+            timeout=self._stream_timeout,
+        )
+        limit = self._first_byte_limit
+        attempt.lease.sent(ep)
+        try:
+            with trio.move_on_after(limit) as scope:
+                resp = await self._client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            attempt.lease.release(ep)
+            head.fail(req.record_failure(outcomes.transport_failure(stage, ep, exc)))
+            return
+        if scope.cancelled_caught:
+            attempt.lease.release(ep)
+            head.fail(req.record_failure(outcomes.timeout(stage, ep, f"no response in {limit:g}s")))
+            return
+        try:
+            try:
+                await self._pump(req, attempt, call, resp, head, buffer)
+            finally:
+                # Released before the response closes: closing may await (a clean EOF returns
+                # the connection to the pool), and load must not wait for that.
+                attempt.lease.release(ep)
+        except RelayOverflow as exc:
+            buffer.close(req.record_failure(outcomes.client_too_slow(stage, ep, str(exc))))
+        except httpx.HTTPError as exc:
+            failure = req.record_failure(outcomes.transport_failure(stage, ep, exc))
+            if head.ready.is_set():  # mid-stream: the client gets an error event
+                buffer.close(failure)
+            else:
+                head.fail(failure)
+        finally:
+            await resp.aclose()
+
+    async def _pump(
+        self,
+        req: Request,
+        attempt: Attempt,
+        call: UpstreamCall,
+        resp: httpx.Response,
+        head: _Head,
+        buffer: RelayBuffer,
+    ) -> None:
+        ep = call.endpoint
+        req.decode_answered()
+        if resp.status_code != 200:
+            body = await resp.aread()
+            head.fail(req.record_failure(status_failure(call.stage, ep, resp, body)))
+            return
+        if self._release_at_headers:
+            attempt.lease.release(ep)  # the historic bug, reproducible on purpose in tests only
+        content_type = resp.headers.get("content-type", "text/event-stream").encode()
+        head.open(content_type)
+        if not content_type.startswith(b"text/event-stream"):
+            async for chunk in resp.aiter_raw():
+                buffer.put(chunk)
+            buffer.close()
+            req.record_success(ep)
+            return
+        framer = EventFramer()
+        async for chunk in resp.aiter_raw():
+            data = framer.feed(chunk)
+            if data:
+                buffer.put(data)
+        if framer.pending or not framer.saw_done:
+            failure = outcomes.invalid(call.stage, ep, "stream ended without [DONE]")
+            buffer.close(req.record_failure(failure))
+        else:
+            buffer.close()
+            req.record_success(ep)

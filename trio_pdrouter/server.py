@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import signal
 from collections.abc import Awaitable, Callable
 from typing import cast
@@ -20,13 +21,17 @@ from .app import RouterApp
 from .breaker import Breakers
 from .config import RouterConfig
 from .engine_truth import EngineTruth
+from .fleet import Fleet
 from .health import HealthBoard
+from .legs import BufferedDecode, PrefillLeg
 from .load import LoadLedger
 from .metrics import MetricsApp, RouterMetrics
-from .policies.cache_aware import CacheAware
+from .policies import make_policy
 from .proxy import Proxy
+from .relay import DecodeRelay
 from .routing import Routing
-from .upstream import make_client
+from .stranded import KvReclaimer
+from .upstream import make_client, stream_timeout
 
 log = logging.getLogger("trio_pdrouter.server")
 
@@ -37,7 +42,6 @@ class RunningRouter:
 
     url: str
     ledger: LoadLedger
-    routing: Routing
     app: RouterApp
     #: The separate ``/metrics`` listener's address, when ``--prometheus-port`` is set.
     metrics_url: str | None = None
@@ -83,55 +87,94 @@ def hypercorn_config(config: RouterConfig) -> HypercornConfig:
     return hc
 
 
-def build_app(config: RouterConfig, client: httpx.AsyncClient) -> RouterApp:
+def build_app(
+    config: RouterConfig, client: httpx.AsyncClient, background: trio.Nursery
+) -> RouterApp:
     """The whole router as an ASGI app over ``client``; tests pass an in-memory transport.
 
-    Health probes and the engine-truth scrape need a nursery: :func:`run_router` starts them.
+    ``background`` runs work that outlives a request (the stranded-KV reclaim). Health probes,
+    the engine-truth scrape and policy maintenance are started by :func:`run_router`.
     """
-    routing = Routing(config, LoadLedger())
+    ledger = LoadLedger()
     metrics = RouterMetrics()
-    metrics.watch_ledger(routing.ledger, routing.all_endpoints())
-    for policy in routing.policies.values():
-        if isinstance(policy, CacheAware):
-            policy.on_decision = metrics.policy_decision
+    fleet: Fleet
 
-    health = HealthBoard(
-        config.health,
-        dict.fromkeys(ep.url for ep in routing.all_endpoints()),
-        on_change=lambda url, healthy: _report_health(routing, metrics, url, healthy),
-    )
-    routing.add_admission_check(health.is_healthy)
+    def health_changed(url: str, healthy: bool) -> None:
+        log.log(logging.INFO if healthy else logging.WARNING, "url=%s healthy=%s", url, healthy)
+        for ep in fleet.endpoints_of(url):
+            metrics.health(ep.key, healthy)
+
+    health = HealthBoard(config.health, on_change=health_changed)
     breakers = Breakers(
         config.breaker,
-        in_flight=routing.ledger.load,
+        in_flight=ledger.load,
         on_change=lambda ep, old, new: metrics.breaker_state(ep.key, new),
     )
-    routing.add_admission_check(lambda ep: breakers.admits(ep, trio.current_time()))
+    rng = random.Random()
+    policies = {
+        role: make_policy(
+            config.stage_policy(role),
+            stage=role.value,
+            settings=config.policy_settings,
+            on_decision=metrics.policy_decision,
+            rng=rng,
+        )
+        for role in config.servers()
+    }
+    routing = Routing(
+        policies, ledger, (health.is_healthy, lambda ep: breakers.admits(ep, trio.current_time()))
+    )
+    fleet = Fleet(
+        dp_size=config.dp_size, routing=routing, ledger=ledger, health=health, breakers=breakers
+    )
+    for role, urls in config.servers().items():
+        for url in urls:
+            fleet.add(url, role, serving=True)
+    metrics.watch_ledger(ledger, fleet.endpoints())
 
     admission = Admission(config.admission)
     metrics.watch_admission(lambda: admission.queued)
-    proxy = Proxy(config, routing, client)
-    proxy.on_stranded = metrics.stranded_kv
-    proxy.outcomes = breakers
-    proxy.admission = admission
-
+    t = config.timeouts
+    proxy = Proxy(
+        config,
+        routing=routing,
+        admission=admission,
+        outcomes=breakers,
+        prefill=PrefillLeg(client, t.prefill_limit, config.upstream_api_key),
+        buffered=BufferedDecode(client, t.first_byte_limit),
+        relay=DecodeRelay(
+            client,
+            first_byte_limit=t.first_byte_limit,
+            stream_timeout=stream_timeout(t),
+            max_buffered_bytes=config.max_buffered_bytes,
+            release_at_headers=config.release_decode_at_headers,
+        ),
+        reclaimer=KvReclaimer(
+            client,
+            ledger,
+            background,
+            limit=t.first_byte_limit,
+            upstream_api_key=config.upstream_api_key,
+            on_reclaim=metrics.stranded_kv,
+        ),
+        rng=rng,
+    )
     truth = None
     if config.engine_metrics_interval > 0:
         truth = EngineTruth(
-            routing.all_endpoints,
-            routing.ledger,
-            client,
-            config.engine_metrics_interval,
-            metrics,
+            fleet.endpoints, ledger, client, config.engine_metrics_interval, metrics
         )
-    return RouterApp(config, routing, proxy, client, metrics, health, breakers, truth)
-
-
-def _report_health(routing: Routing, metrics: RouterMetrics, url: str, healthy: bool) -> None:
-    log.log(logging.INFO if healthy else logging.WARNING, "url=%s healthy=%s", url, healthy)
-    for ep in routing.all_endpoints():
-        if ep.url == url:
-            metrics.health(ep.key, healthy)
+    return RouterApp(
+        config,
+        fleet=fleet,
+        routing=routing,
+        ledger=ledger,
+        proxy=proxy,
+        client=client,
+        metrics=metrics,
+        health=health,
+        engine_truth=truth,
+    )
 
 
 async def wait_for_signal() -> None:
@@ -152,11 +195,9 @@ async def run_router(
     config.validate()
     close_connections_when_clients_leave()
     async with make_client(config) as client, trio.open_nursery() as nursery:
-        app = build_app(config, client)
-        app.proxy.background = nursery
-        routing = app.routing
+        app = build_app(config, client, nursery)
         nursery.start_soon(
-            _maintain_policies, routing, config.policy_settings.eviction_interval_secs
+            _maintain_policies, app.routing, config.policy_settings.eviction_interval_secs
         )
         if app.engine_truth is not None:
             nursery.start_soon(app.engine_truth.run)
@@ -180,7 +221,7 @@ async def run_router(
 
         binds: list[str] = await nursery.start(_serve)
         log.info("listening=%s mode=%s", binds[0], "pd" if config.pd else "regular")
-        task_status.started(RunningRouter(binds[0], routing.ledger, routing, app, metrics_url))
+        task_status.started(RunningRouter(binds[0], app.ledger, app, metrics_url))
 
 
 async def _serve_metrics(

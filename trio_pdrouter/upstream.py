@@ -1,25 +1,37 @@
-"""The httpx client every leg uses, over the transport chosen by ``--upstream-transport``.
+"""The httpx client every leg uses, over the transport chosen by ``--upstream-transport``, and
+the time limits it applies.
 
 ``h11`` (the default) is :class:`trio_pdrouter.transport.H11Transport`: one HTTP/1.1 pool per
 upstream, and a synchronous socket close on any response not read to a clean end — which is what
 makes vLLM abort the request. ``httpx`` is httpx's stock pool, kept for side-by-side benchmarks.
+
+Time limits (see :class:`~trio_pdrouter.config.Timeouts`): the client's defaults bound every
+socket operation by ``--request-timeout-secs``; a decode stream's request carries
+:func:`stream_timeout` instead, so each read waits at most the idle limit. The legs add their own
+deadlines around whole phases (prefill, first byte).
 """
 
 from __future__ import annotations
 
 import httpx
 
-from .config import RouterConfig
+from .config import RouterConfig, Timeouts
 from .transport import H11Transport
 
 
-def make_client(config: RouterConfig) -> httpx.AsyncClient:
-    timeout = httpx.Timeout(
-        connect=config.timeouts.connect,
-        read=config.timeouts.request,
-        write=config.timeouts.request,
-        pool=config.timeouts.request,
+def client_timeout(t: Timeouts) -> httpx.Timeout:
+    """The client's default limits on each connect, read, write and pool wait."""
+    return httpx.Timeout(connect=t.connect, read=t.request, write=t.request, pool=t.request)
+
+
+def stream_timeout(t: Timeouts) -> httpx.Timeout:
+    """A decode stream's limits: every read and write within the idle limit."""
+    return httpx.Timeout(
+        connect=t.connect, read=t.idle_limit, write=t.idle_limit, pool=t.first_byte_limit
     )
+
+
+def make_client(config: RouterConfig) -> httpx.AsyncClient:
     transport: httpx.AsyncBaseTransport
     if config.transport == "h11":
         transport = H11Transport()
@@ -27,4 +39,6 @@ def make_client(config: RouterConfig) -> httpx.AsyncClient:
         transport = httpx.AsyncHTTPTransport(
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=512)
         )
-    return httpx.AsyncClient(transport=transport, timeout=timeout, follow_redirects=False)
+    return httpx.AsyncClient(
+        transport=transport, timeout=client_timeout(config.timeouts), follow_redirects=False
+    )

@@ -6,7 +6,7 @@ import random as _random
 from collections.abc import Sequence
 
 from ..endpoints import Endpoint
-from ._base import Policy, PolicySettings, RoutingKey
+from ._base import DecisionObserver, Policy, PolicySettings, RoutingKey
 from .cache_aware import CacheAware
 from .consistent_hash import ConsistentHash
 from .power_of_two import PowerOfTwo
@@ -19,6 +19,7 @@ __all__ = [
     "POLICY_NAMES",
     "CacheAware",
     "ConsistentHash",
+    "DecisionObserver",
     "Policy",
     "PolicySettings",
     "PowerOfTwo",
@@ -38,13 +39,16 @@ def make_policy(
     *,
     stage: str,
     settings: PolicySettings,
-    endpoints: Sequence[Endpoint],
+    on_decision: DecisionObserver,
+    endpoints: Sequence[Endpoint] = (),
     rng: _random.Random | None = None,
 ) -> Policy:
     """Build the policy called ``name`` for one stage over ``endpoints``.
 
-    ``stage`` ("prefill", "decode" or "regular") labels the policy's log lines; ``rng`` is the
-    only source of randomness (pass a seeded one for reproducible tests).
+    ``stage`` ("prefill", "decode" or "regular") labels the policy's log lines and decisions;
+    ``on_decision`` is told ``(stage, reason)`` for every decision of a policy that gives
+    reasons (``cache_aware``); ``rng`` is the only source of randomness (pass a seeded one for
+    reproducible tests).
     """
     rng = rng or _random.Random()
     policy: Policy
@@ -57,7 +61,7 @@ def make_policy(
     elif name == "consistent_hash":
         policy = ConsistentHash(rng, virtual_nodes=settings.virtual_nodes)
     elif name == "cache_aware":
-        policy = CacheAware(settings, rng, stage=stage)
+        policy = CacheAware(settings, rng, stage=stage, on_decision=on_decision)
     else:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
     policy.set_endpoints(endpoints)

@@ -7,7 +7,7 @@ a policy sees are exactly the ledger's at that instant.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import attrs
@@ -40,6 +40,11 @@ class PolicySettings:
     eviction_interval_secs: float = 120.0
     max_tree_size: int = 2**25
     virtual_nodes: int = 160
+
+
+#: Told ``(stage, reason)`` for every decision of a policy that has reasons (the router counts
+#: them in ``trio_pdrouter_policy_decisions_total``).
+DecisionObserver = Callable[[str, str], None]
 
 
 class Policy(Protocol):

@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from ..endpoints import Endpoint
-from ._base import PolicySettings, RoutingKey
+from ._base import DecisionObserver, PolicySettings, RoutingKey
 from ._choice import least_loaded
 from .radix_tree import RadixTree
 
@@ -50,14 +50,20 @@ class CacheAware:
 
     name = "cache_aware"
 
-    def __init__(self, settings: PolicySettings, rng: random.Random, *, stage: str) -> None:
+    def __init__(
+        self,
+        settings: PolicySettings,
+        rng: random.Random,
+        *,
+        stage: str,
+        on_decision: DecisionObserver,
+    ) -> None:
         self._settings = settings
         self._rng = rng
         self._stage = stage
         self.tree: RadixTree[Endpoint] = RadixTree()
         self._endpoints: frozenset[Endpoint] = frozenset()
-        #: Told ``(stage, reason)`` for every decision (the router counts them in metrics).
-        self.on_decision: Callable[[str, str], None] | None = None
+        self._on_decision = on_decision
 
     def choose(
         self, candidates: Sequence[Endpoint], loads: Mapping[Endpoint, int], key: RoutingKey
@@ -90,8 +96,7 @@ class CacheAware:
             chosen = least_loaded(candidates, loads, self._rng)
         if text:
             self.tree.insert(text, chosen)
-        if self.on_decision is not None:
-            self.on_decision(self._stage, reason)
+        self._on_decision(self._stage, reason)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "stage=%s max_load=%d min_load=%d is_unbalanced=%s match_rate=%.3f chosen=%s "

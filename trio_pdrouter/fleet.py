@@ -1,0 +1,137 @@
+"""The servers the router sends to, and the one place where one is added or removed.
+
+A server is a URL serving one role (prefill, decode, or regular); with
+``--intra-node-data-parallel-size N`` it is N endpoints ``url@0..url@N-1``. The same URL may
+serve several roles, once each. Everything that keeps per-endpoint or per-URL state learns of a
+server from :class:`Fleet` and from nowhere else:
+
+* :meth:`Fleet.add` validates the URL (one validator for the command line and ``POST /workers``:
+  :func:`~.endpoints.normalize_url`), then, in one synchronous step, gives the endpoints to the
+  load ledger and to routing and the URL to the health probes. A server added at start-up takes
+  traffic at once; one added at run time waits for its first successful probe.
+* :meth:`Fleet.remove` takes the URL out of routing and health at once (no new request goes
+  there) and forgets its circuit breakers, waits up to a timeout for its in-flight requests to
+  end, then drops the ledger counters that reached zero. Requests still running keep their
+  leases, so they release what they took whenever they end.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import trio
+
+from .breaker import Breakers
+from .endpoints import Endpoint, Role, expand
+from .health import HealthBoard
+from .load import LoadLedger
+from .routing import Routing
+
+
+class DuplicateServer(ValueError):
+    """The URL already serves that role."""
+
+
+@attrs.frozen
+class Removal:
+    """What :meth:`Fleet.remove` did: the endpoints it removed and those still busy."""
+
+    removed: tuple[Endpoint, ...]
+    in_flight: int
+
+
+class Fleet:
+    """Owns the set of servers (see the module doc)."""
+
+    def __init__(
+        self,
+        *,
+        dp_size: int,
+        routing: Routing,
+        ledger: LoadLedger,
+        health: HealthBoard,
+        breakers: Breakers,
+    ) -> None:
+        self._dp_size = dp_size
+        self._routing = routing
+        self._ledger = ledger
+        self._health = health
+        self._breakers = breakers
+
+    @property
+    def roles(self) -> tuple[Role, ...]:
+        """The roles of this mode."""
+        return self._routing.roles
+
+    def endpoints(self) -> list[Endpoint]:
+        """Every endpoint of every role."""
+        return [ep for role in self._routing.roles for ep in self._routing.endpoints(role)]
+
+    def endpoints_of(self, url: str) -> list[Endpoint]:
+        return [ep for ep in self.endpoints() if ep.url == url]
+
+    def add(self, url: str, role: Role, *, serving: bool) -> tuple[Endpoint, ...]:
+        """Add the server at ``url`` in ``role``; ``serving`` (start-up servers) takes traffic
+        at once, else after its first successful health probe.
+
+        Raises :class:`DuplicateServer` if the URL already serves ``role``, ``ValueError`` for a
+        bad URL or a role this mode does not have.
+        """
+        if role not in self._routing.roles:
+            modes = ", ".join(r.value for r in self._routing.roles)
+            raise ValueError(f"role {role.value!r} does not exist in this mode (use {modes})")
+        added = expand([url], role, self._dp_size)
+        current = self._routing.endpoints(role)
+        if any(ep.url == added[0].url for ep in current):
+            raise DuplicateServer(f"{added[0].url} is already a {role.value} server")
+        for ep in added:
+            self._ledger.add_endpoint(ep)
+        self._routing.set_endpoints(role, [*current, *added])
+        self._health.add_url(added[0].url, healthy=serving)
+        return added
+
+    async def remove(self, url: str, drain_timeout: float) -> Removal | None:
+        """Remove the server at ``url`` from every role; None if there is none."""
+        url = url.rstrip("/")
+        removed: list[Endpoint] = []
+        for role in self._routing.roles:
+            eps = self._routing.endpoints(role)
+            gone = [ep for ep in eps if ep.url == url]
+            if gone:
+                self._routing.set_endpoints(role, [ep for ep in eps if ep.url != url])
+                removed.extend(gone)
+        if not removed:
+            return None
+        self._health.remove_url(url)
+        for ep in removed:
+            self._breakers.forget(ep)
+        with trio.move_on_after(drain_timeout):
+            await self._ledger.wait_idle(removed)
+        in_flight = sum(self._ledger.load(ep) for ep in removed)
+        for ep in removed:
+            self._ledger.forget_idle(ep)
+        return Removal(tuple(removed), in_flight)
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Every endpoint as ``GET /workers`` shows it."""
+        routing, health, breakers, ledger = (
+            self._routing,
+            self._health,
+            self._breakers,
+            self._ledger,
+        )
+        routable = {ep for role in routing.roles for ep in routing.candidates(role)}
+        return [
+            {
+                "url": ep.url,
+                "key": ep.key,
+                "role": ep.role.value,
+                "rank": ep.rank,
+                "healthy": health.is_healthy(ep),
+                "circuit": breakers.state(ep),
+                "routable": ep in routable,
+                "load": ledger.load(ep),
+            }
+            for ep in self.endpoints()
+        ]

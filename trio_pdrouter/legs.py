@@ -1,0 +1,149 @@
+"""The two legs that answer in one piece: the prefill leg, and a non-streaming decode.
+
+Each leg sends one upstream request, releases its endpoint's load the moment the answer has been
+read (or failed, or was cancelled), and returns either what it got or a
+:class:`~.outcomes.LegFailure` — already recorded on the request, not yet decided: the proxy
+chooses between retrying and failing. The streaming decode leg is :class:`.relay.DecodeRelay`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import httpx
+import orjson
+import trio
+
+from . import logprobs, outcomes, pd
+from .asgi import Reply
+from .endpoints import Endpoint
+from .outcomes import LegFailure
+from .request import Attempt, Request
+
+
+@attrs.frozen
+class UpstreamCall:
+    """One leg's request, ready to send."""
+
+    stage: str
+    endpoint: Endpoint
+    url: str
+    content: bytes
+    headers: dict[bytes, bytes]
+
+    @classmethod
+    def build(
+        cls,
+        req: Request,
+        attempt: Attempt,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        upstream_api_key: str | None,
+        stage: str,
+    ) -> UpstreamCall:
+        inf = req.inf
+        return cls(
+            stage=stage,
+            endpoint=endpoint,
+            url=endpoint.url + inf.path,
+            content=orjson.dumps(body),
+            headers=pd.upstream_headers(
+                inf.headers, attempt.request_id, endpoint, upstream_api_key
+            ),
+        )
+
+
+class PrefillLeg:
+    """Sends the prefill leg (one token, KV transfer requested) and reads its JSON answer.
+
+    The prefill endpoint's load is released when the answer has been read, when the leg fails,
+    or when it is cancelled; ``limit`` bounds the whole leg.
+    """
+
+    def __init__(
+        self, client: httpx.AsyncClient, limit: float, upstream_api_key: str | None
+    ) -> None:
+        self._client = client
+        self._limit = limit
+        self._upstream_api_key = upstream_api_key
+
+    async def run(self, req: Request, attempt: Attempt) -> dict[str, Any] | LegFailure:
+        ep = attempt.prefill
+        assert ep is not None
+        call = UpstreamCall.build(
+            req, attempt, ep, pd.prefill_body(req.inf.body), self._upstream_api_key, "prefill"
+        )
+        req.prefill_sent()
+        try:
+            with trio.move_on_after(self._limit) as scope:
+                resp = await self._client.post(call.url, content=call.content, headers=call.headers)
+        except httpx.HTTPError as exc:
+            return req.record_failure(outcomes.transport_failure("prefill", ep, exc))
+        finally:
+            attempt.lease.release(ep)
+        if scope.cancelled_caught:
+            failure = outcomes.timeout("prefill", ep, f"no answer in {self._limit:g}s")
+            return req.record_failure(failure)
+        if resp.status_code != 200:
+            return req.record_failure(status_failure("prefill", ep, resp, resp.content))
+        try:
+            answer = orjson.loads(resp.content)
+        except orjson.JSONDecodeError:
+            answer = None
+        if not isinstance(answer, dict):
+            return req.record_failure(
+                outcomes.invalid("prefill", ep, "answer is not a JSON object")
+            )
+        req.record_success(ep)
+        req.prefill_answered(answer.get("kv_transfer_params"))
+        return answer
+
+
+class BufferedDecode:
+    """A non-streaming decode (or regular) leg: the whole answer in one piece.
+
+    The decode load is held until the answer has been read; ``limit`` bounds the wait for it.
+    When the client asked for prompt logprobs or echo, the prefill's prompt-side fields are
+    merged into the answer (SPEC §6).
+    """
+
+    def __init__(self, client: httpx.AsyncClient, limit: float) -> None:
+        self._client = client
+        self._limit = limit
+
+    async def run(
+        self, req: Request, attempt: Attempt, call: UpstreamCall, prefill: dict[str, Any] | None
+    ) -> Reply | LegFailure:
+        ep = call.endpoint
+        attempt.lease.sent(ep)
+        req.decode_sent()
+        try:
+            with trio.move_on_after(self._limit) as scope:
+                resp = await self._client.post(call.url, content=call.content, headers=call.headers)
+        except httpx.HTTPError as exc:
+            return req.record_failure(outcomes.transport_failure(call.stage, ep, exc))
+        finally:
+            attempt.lease.release(ep)
+        if scope.cancelled_caught:
+            failure = outcomes.timeout(call.stage, ep, f"no answer in {self._limit:g}s")
+            return req.record_failure(failure)
+        req.decode_answered()
+        if resp.status_code != 200:
+            return req.record_failure(status_failure(call.stage, ep, resp, resp.content))
+        content = resp.content
+        if prefill is not None and logprobs.needs_merge(req.inf.body):
+            try:
+                merged = logprobs.merge(req.inf.body, prefill, orjson.loads(content))
+            except orjson.JSONDecodeError:
+                return req.record_failure(outcomes.invalid(call.stage, ep, "answer is not JSON"))
+            content = orjson.dumps(merged)
+        req.record_success(ep)
+        ctype = resp.headers.get("content-type", "application/json").encode()
+        return Reply(200, [(b"content-type", ctype)], content)
+
+
+def status_failure(stage: str, ep: Endpoint, resp: httpx.Response, body: bytes) -> LegFailure:
+    """The engine answered ``resp.status_code`` (not 200) with ``body``."""
+    ctype = resp.headers.get("content-type", "application/json")
+    return outcomes.status(stage, ep, resp.status_code, ctype, body)

@@ -1,0 +1,222 @@
+"""One inference request in the router, and one attempt at serving it.
+
+:class:`Inference` is what the client asked, parsed and validated by the app. :class:`Request`
+is that request on its way through the router: its :class:`~.lifecycle.Lifecycle`, the client
+side (:class:`~.asgi.Downstream`), and what it met (failures, timings). :class:`Attempt` is one
+try: the endpoints chosen and charged for it and the request id both legs carry.
+
+Contract: the proxy and the legs change a request only through its methods. Each method takes
+one step of the lifecycle and notes what the record will say, so the phase, the circuit
+breakers, the retry loop and the access log always agree; the record is made once, at the end
+(:meth:`Request.record`), from that state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from .asgi import Downstream, Headers, Reply
+from .endpoints import Endpoint
+from .lifecycle import Event, KvEvent, KvOwner, Lifecycle, outcome
+from .load import Lease
+from .outcomes import LegFailure, Verdict
+from .policies import RoutingKey
+from .record import RequestRecord
+
+
+@attrs.frozen
+class Inference:
+    """A parsed and validated client request."""
+
+    path: str
+    body: dict[str, Any]
+    headers: Mapping[str, str]
+    stream: bool
+    request_id: str
+    key: RoutingKey
+
+
+class OutcomeSink(Protocol):
+    """Where leg outcomes go (the circuit breakers)."""
+
+    def record_success(self, endpoint: Endpoint, now: float) -> None: ...
+
+    def record_failure(self, endpoint: Endpoint, now: float) -> None: ...
+
+
+@attrs.frozen
+class Attempt:
+    """One try at serving a request: its endpoints, charged in ``lease``, and its request id.
+
+    ``decode`` is the regular-mode worker when ``prefill`` is None. The lease releases each
+    endpoint exactly once (see :mod:`.load`); the legs release theirs as they end.
+    """
+
+    number: int
+    prefill: Endpoint | None
+    decode: Endpoint
+    lease: Lease
+    request_id: str
+
+    @property
+    def stage(self) -> str:
+        """The stage name of the generating leg, as errors and metrics label it."""
+        return "worker" if self.prefill is None else "decode"
+
+    def routing_headers(self) -> Headers:
+        """Response headers that explain the decision: the request id and the endpoints."""
+        rid = (b"x-request-id", self.request_id.encode("latin-1", "replace"))
+        if self.prefill is None:
+            return [rid, (b"x-trio-pdrouter-worker", self.decode.key.encode())]
+        return [
+            rid,
+            (b"x-trio-pdrouter-prefill", self.prefill.key.encode()),
+            (b"x-trio-pdrouter-decode", self.decode.key.encode()),
+        ]
+
+
+class Request:
+    """One inference request on its way through the router (see the module doc)."""
+
+    __slots__ = (
+        "_outcomes",
+        "_prefill_sent_at",
+        "attempt",
+        "down",
+        "failure",
+        "inf",
+        "kv_params",
+        "life",
+        "prefill_ms",
+        "rejection",
+        "started",
+        "upstream_errors",
+    )
+
+    def __init__(self, inf: Inference, down: Downstream, outcomes: OutcomeSink) -> None:
+        self.inf = inf
+        self.down = down
+        self._outcomes = outcomes
+        self.life = Lifecycle()
+        self.started = trio.current_time()
+        #: The current (or last) attempt.
+        self.attempt: Attempt | None = None
+        #: The last failure recorded; the answer when the request fails.
+        self.failure: LegFailure | None = None
+        #: The current attempt's prefill ``kv_transfer_params`` (None without KV to pull).
+        self.kv_params: Any = None
+        self.upstream_errors: list[tuple[str, str, str]] = []
+        self.prefill_ms: float | None = None
+        self._prefill_sent_at = 0.0
+        self.rejection: str | None = None
+
+    # -- the steps, in the order of the lifecycle -------------------------------------------
+
+    def admitted(self) -> None:
+        self.life.step(Event.ADMIT)
+
+    def rejected(self, reason: str) -> None:
+        self.rejection = reason
+        self.life.step(Event.REJECT)
+
+    def routed(self, attempt: Attempt) -> None:
+        self.life.step(Event.ROUTE)
+        self.life.kv_step(KvEvent.NEXT_ATTEMPT)
+        self.attempt = attempt
+        self.kv_params = None
+
+    def unroutable(self) -> None:
+        self.life.step(Event.NO_ENDPOINT)
+
+    def prefill_sent(self) -> None:
+        self.life.step(Event.SEND_PREFILL)
+        self._prefill_sent_at = trio.current_time()
+
+    def prefill_answered(self, kv_params: Any) -> None:
+        """Prefill's answer was read; ``kv_params`` None means its one token was a stop."""
+        self.life.step(Event.PREFILL_ANSWERED)
+        self.prefill_ms = (trio.current_time() - self._prefill_sent_at) * 1000
+        self.kv_params = kv_params
+        if kv_params is not None:
+            self.life.kv_step(KvEvent.PREFILL_HELD)
+
+    def decode_sent(self) -> None:
+        self.life.step(Event.SEND_DECODE)
+
+    def decode_answered(self) -> None:
+        """The decode engine answered (a stream's head, or a whole answer): it has pulled the
+        prefill's KV blocks, if there were any (see :mod:`.lifecycle`)."""
+        if self.life.kv is KvOwner.PREFILL:
+            self.life.kv_step(KvEvent.PULLED)
+
+    def stream_started(self) -> None:
+        self.life.step(Event.STREAM_STARTED)
+
+    def answered(self) -> None:
+        self.life.step(Event.ANSWERED)
+
+    def retrying(self) -> None:
+        self.life.step(Event.RETRY)
+
+    def fail(self, failure: LegFailure) -> Reply:
+        """End the request with ``failure``; return the client's answer for it."""
+        self.failure = failure
+        streaming = self.life.streaming_started
+        self.life.step(Event.FAIL)
+        return failure.reply(streaming)
+
+    def client_left(self) -> None:
+        self.life.step(Event.CLIENT_LEFT)
+
+    def crashed(self) -> None:
+        self.life.step(Event.CRASH)
+
+    def kv_settled(self, event: KvEvent) -> None:
+        """An attempt ended with the KV still on the prefill engine: reclaimed or abandoned."""
+        self.life.kv_step(event)
+
+    # -- what legs met -------------------------------------------------------------------------
+
+    def record_success(self, endpoint: Endpoint) -> None:
+        self._outcomes.record_success(endpoint, trio.current_time())
+
+    def record_failure(self, failure: LegFailure) -> LegFailure:
+        """The one place a leg's failure is recorded: metrics, breaker, the last failure."""
+        self.failure = failure
+        if failure.upstream_error:
+            self.upstream_errors.append((failure.stage, failure.endpoint.key, failure.kind))
+        if failure.verdict is Verdict.FAILURE:
+            self._outcomes.record_failure(failure.endpoint, trio.current_time())
+        elif failure.verdict is Verdict.SUCCESS:
+            self._outcomes.record_success(failure.endpoint, trio.current_time())
+        return failure
+
+    # -- the end -----------------------------------------------------------------------------
+
+    def record(self) -> RequestRecord:
+        """What happened, for the access log and metrics (call once the request has ended)."""
+        inf, down, attempt = self.inf, self.down, self.attempt
+        now = trio.current_time()
+        first = down.first_chunk_at
+        failure_kind = self.failure.kind if self.failure is not None else None
+        return RequestRecord(
+            inf.request_id,
+            inf.path,
+            inf.stream,
+            self.started,
+            prefill=attempt.prefill.key if attempt and attempt.prefill else None,
+            decode=attempt.decode.key if attempt else None,
+            status=down.status,
+            outcome=outcome(self.life.phase, failure_kind),
+            prefill_ms=self.prefill_ms,
+            ttfb_ms=None if first is None else (first - self.started) * 1000,
+            total_ms=(now - self.started) * 1000,
+            bytes_out=down.bytes_sent,
+            retries=self.life.retries,
+            rejection=self.rejection,
+            upstream_errors=self.upstream_errors,
+        )
