@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from trio_pdrouter.cli import parse_config
-from trio_pdrouter.endpoints import Role
+from trio_pdrouter.endpoints import Role, normalize_url
 
 SEED = (
     "--vllm-pd-disaggregation --host 0.0.0.0 --port 29100 --policy cache_aware"
@@ -60,7 +60,7 @@ def test_repeated_urls_and_bootstrap_port() -> None:
     [
         ([], "no upstream"),
         (["--vllm-pd-disaggregation", "--prefill", "http://a:1"], "at least one --prefill"),
-        (["--worker-urls", "ftp://a:1"], "http:// or https://"),
+        (["--worker-urls", "ftp://a:1"], "must start with http://"),
         (["--worker-urls", "http://a"], "explicit port"),
         (["--worker-urls", "http://a:1", "--cache-threshold", "2"], "between 0.0 and 1.0"),
         (["--prefill", "http://a:1", "--decode", "http://b:1"], "need --vllm-pd-disaggregation"),
@@ -92,3 +92,32 @@ def test_help_documents_the_flags() -> None:
     ]:
         assert flag in out
     assert "--release-decode-at-headers" not in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--worker-urls", "https://w:1"],
+        ["--vllm-pd-disaggregation", "--prefill", "https://p:1", "--decode", "http://d:2"],
+        ["--vllm-pd-disaggregation", "--prefill", "http://p:1", "--decode", "https://d:2"],
+    ],
+)
+def test_https_upstreams_are_refused_at_start(argv: list[str]) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "trio_pdrouter", *argv], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert "https upstreams are not supported yet" in done.stderr
+    assert "use http://" in done.stderr
+
+
+def test_normalize_url_refuses_https_clearly() -> None:
+    with pytest.raises(ValueError) as info:
+        normalize_url("https://a:1")
+    assert str(info.value) == (
+        "'https://a:1': https upstreams are not supported yet: the upstream transport speaks"
+        " plain HTTP; use http://"
+    )
+    with pytest.raises(ValueError, match="must start with http://"):
+        normalize_url("ftp://a:1")
+    assert normalize_url("http://a:1/") == "http://a:1"
