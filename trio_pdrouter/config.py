@@ -1,18 +1,67 @@
-"""Every setting of the router as frozen values, validated once with messages fit for users."""
+"""Every setting of the router as frozen values, validated once with messages fit for users.
+
+Each field that a command-line flag sets declares that flag, its default and help in one place
+(see :mod:`trio_pdrouter.flags` for the rules); the fields of :class:`RouterConfig` are in the
+order of ``--help``.
+"""
 
 from __future__ import annotations
+
+import argparse
 
 import attrs
 
 from .endpoints import Endpoint, Role, expand
+from .flags import Flag, Group, Switch, section, setting
 from .policies import POLICY_NAMES, PolicySettings
 
 KV_CONNECTORS = ("nixl", "p2p_nccl")
 TRANSPORTS = ("h11", "httpx")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 class ConfigError(ValueError):
     """A setting that cannot work; the message says which and why."""
+
+
+def _prefill_urls(groups: list[list[str]]) -> tuple[str, ...]:
+    """``--prefill URL [BOOTSTRAP_PORT]``, repeated: the URLs (the port is vllm-router's)."""
+    for group in groups:
+        if len(group) > 2:
+            raise ConfigError(f"--prefill takes a URL and an optional bootstrap port, got {group}")
+    return tuple(group[0] for group in groups)
+
+
+def _lower_case(names: list[str]) -> tuple[str, ...]:
+    return tuple(name.lower() for name in names)
+
+
+@attrs.frozen
+class ServerSettings:
+    """How hypercorn listens."""
+
+    host: str = setting("127.0.0.1", Flag("--host", Group.LISTENING, "address to listen on"))
+    port: int = setting(30000, Flag("--port", Group.LISTENING, "port to listen on", type=int))
+    backlog: int = setting(2048, Flag("--backlog", Group.LISTENING, "listen backlog", type=int))
+    keep_alive_timeout: float = setting(
+        75.0,
+        Flag(
+            "--keep-alive-timeout-secs",
+            Group.LISTENING,
+            "close idle client connections after this many seconds",
+            type=float,
+        ),
+    )
+    graceful_timeout: float = setting(
+        30.0,
+        Flag(
+            "--graceful-timeout-secs",
+            Group.LISTENING,
+            "on SIGTERM/SIGINT, let in-flight requests finish for this long, then cancel them",
+            type=float,
+        ),
+    )
+    max_header_bytes: int = 64 * 1024
 
 
 @attrs.frozen
@@ -31,11 +80,53 @@ class Timeouts:
     ends with an SSE error event and ``[DONE]``.
     """
 
-    connect: float = 10.0
-    request: float = 1800.0
-    prefill: float | None = None
-    first_byte: float | None = None
-    idle: float | None = None
+    request: float = setting(
+        1800.0,
+        Flag(
+            "--request-timeout-secs",
+            Group.REQUESTS,
+            "bounds the prefill leg, the wait for decode's first byte, and every gap between"
+            " decode chunks; never a stream that keeps producing",
+            type=float,
+        ),
+    )
+    prefill: float | None = setting(
+        None,
+        Flag(
+            "--prefill-timeout-secs",
+            Group.REQUESTS,
+            "limit on the whole prefill leg (default: --request-timeout-secs)",
+            type=float,
+        ),
+    )
+    first_byte: float | None = setting(
+        None,
+        Flag(
+            "--decode-first-byte-timeout-secs",
+            Group.REQUESTS,
+            "limit from sending the decode leg to its first byte; for a non-streaming request"
+            " that is the whole answer (default: --request-timeout-secs)",
+            type=float,
+        ),
+    )
+    idle: float | None = setting(
+        None,
+        Flag(
+            "--decode-idle-timeout-secs",
+            Group.REQUESTS,
+            "longest gap between two chunks of a decode stream (default: --request-timeout-secs)",
+            type=float,
+        ),
+    )
+    connect: float = setting(
+        10.0,
+        Flag(
+            "--connect-timeout-secs",
+            Group.REQUESTS,
+            "time to open a connection to an upstream",
+            type=float,
+        ),
+    )
 
     @property
     def prefill_limit(self) -> float:
@@ -53,87 +144,406 @@ class Timeouts:
 @attrs.frozen
 class RetrySettings:
     #: Attempts per request in all (vllm-router's meaning: 1 = no retry).
-    max_retries: int = 5
-    initial_backoff_ms: int = 50
-    max_backoff_ms: int = 30_000
-    backoff_multiplier: float = 1.5
-    jitter_factor: float = 0.2
+    max_retries: int = setting(
+        5,
+        Flag(
+            "--retry-max-retries",
+            Group.RESILIENCE,
+            "attempts per request in all (1 = no retry). Prefill is retried on another"
+            " endpoint after connection errors, 5xx, 429 and timeouts; decode only before the"
+            " client got a byte, and then with a fresh prefill",
+            type=int,
+        ),
+        switch=Switch(
+            "--disable-retries",
+            Group.RESILIENCE,
+            "one attempt per request (as --retry-max-retries 1)",
+            sets=1,
+        ),
+    )
+    initial_backoff_ms: int = setting(
+        50,
+        Flag(
+            "--retry-initial-backoff-ms",
+            Group.RESILIENCE,
+            "wait before the first retry; each later wait is multiplied by"
+            " --retry-backoff-multiplier",
+            type=int,
+        ),
+    )
+    max_backoff_ms: int = setting(
+        30_000,
+        Flag("--retry-max-backoff-ms", Group.RESILIENCE, "longest wait between attempts", type=int),
+    )
+    backoff_multiplier: float = setting(
+        1.5,
+        Flag(
+            "--retry-backoff-multiplier",
+            Group.RESILIENCE,
+            "growth of the wait from one retry to the next",
+            type=float,
+        ),
+    )
+    jitter_factor: float = setting(
+        0.2,
+        Flag(
+            "--retry-jitter-factor",
+            Group.RESILIENCE,
+            "each wait is varied at random by up to this fraction, so retries do not march in step",
+            type=float,
+        ),
+    )
 
 
 @attrs.frozen
 class BreakerSettings:
-    enabled: bool = True
-    failure_threshold: int = 10
-    success_threshold: int = 3
-    timeout_duration_secs: float = 60.0
-    window_duration_secs: float = 120.0
+    failure_threshold: int = setting(
+        10,
+        Flag(
+            "--cb-failure-threshold",
+            Group.RESILIENCE,
+            "failures within the window that open an endpoint's circuit",
+            type=int,
+        ),
+    )
+    success_threshold: int = setting(
+        3,
+        Flag(
+            "--cb-success-threshold",
+            Group.RESILIENCE,
+            "half-open successes that close the circuit again",
+            type=int,
+        ),
+    )
+    timeout_duration_secs: float = setting(
+        60.0,
+        Flag(
+            "--cb-timeout-duration-secs",
+            Group.RESILIENCE,
+            "how long a circuit stays open before a trial request",
+            type=float,
+        ),
+    )
+    window_duration_secs: float = setting(
+        120.0,
+        Flag(
+            "--cb-window-duration-secs",
+            Group.RESILIENCE,
+            "window over which failures are counted",
+            type=float,
+        ),
+    )
+    enabled: bool = setting(
+        True,
+        switch=Switch(
+            "--disable-circuit-breaker",
+            Group.RESILIENCE,
+            "never take an endpoint out of rotation for its failures (health checks still do)",
+            sets=False,
+        ),
+    )
 
 
 @attrs.frozen
 class HealthSettings:
-    endpoint: str = "/health"
-    interval_secs: float = 60.0
-    timeout_secs: float = 5.0
-    failure_threshold: int = 3
-    success_threshold: int = 2
+    endpoint: str = setting(
+        "/health", Flag("--health-check-endpoint", Group.RESILIENCE, "path probed on upstreams")
+    )
+    interval_secs: float = setting(
+        60.0,
+        Flag(
+            "--health-check-interval-secs",
+            Group.RESILIENCE,
+            "seconds between probes of each upstream server (0: no probes; every endpoint is"
+            " then taken as healthy). Probes change health only, never the load ledger",
+            type=float,
+        ),
+    )
+    timeout_secs: float = setting(
+        5.0,
+        Flag(
+            "--health-check-timeout-secs",
+            Group.RESILIENCE,
+            "a probe not answered 2xx within this is a failure",
+            type=float,
+        ),
+    )
+    failure_threshold: int = setting(
+        3,
+        Flag(
+            "--health-failure-threshold",
+            Group.RESILIENCE,
+            "consecutive failed probes that mark an endpoint unhealthy",
+            type=int,
+        ),
+    )
+    success_threshold: int = setting(
+        2,
+        Flag(
+            "--health-success-threshold",
+            Group.RESILIENCE,
+            "consecutive good probes that mark it healthy again",
+            type=int,
+        ),
+    )
 
 
 @attrs.frozen
 class AdmissionSettings:
-    max_concurrent_requests: int = 32768
-    queue_size: int = 100
-    queue_timeout_secs: float = 60.0
-
-
-@attrs.frozen
-class ServerSettings:
-    """How hypercorn listens."""
-
-    host: str = "127.0.0.1"
-    port: int = 30000
-    backlog: int = 2048
-    keep_alive_timeout: float = 75.0
-    graceful_timeout: float = 30.0
-    max_header_bytes: int = 64 * 1024
+    max_concurrent_requests: int = setting(
+        32768,
+        Flag(
+            "--max-concurrent-requests",
+            Group.RESILIENCE,
+            "requests served at once (streams count until they end)",
+            type=int,
+        ),
+    )
+    queue_size: int = setting(
+        100,
+        Flag(
+            "--queue-size",
+            Group.RESILIENCE,
+            "requests waiting beyond --max-concurrent-requests (0: answer 429 at once)",
+            type=int,
+        ),
+    )
+    queue_timeout_secs: float = setting(
+        60.0,
+        Flag(
+            "--queue-timeout-secs",
+            Group.RESILIENCE,
+            "longest wait in the queue (then 408)",
+            type=float,
+        ),
+    )
 
 
 @attrs.frozen
 class RouterConfig:
-    pd: bool = False
-    prefill_urls: tuple[str, ...] = ()
-    decode_urls: tuple[str, ...] = ()
-    worker_urls: tuple[str, ...] = ()
-    dp_size: int = 1
-    policy: str = "cache_aware"
-    prefill_policy: str | None = None
-    decode_policy: str | None = None
-    policy_settings: PolicySettings = attrs.field(factory=PolicySettings)
-    server: ServerSettings = attrs.field(factory=ServerSettings)
-    timeouts: Timeouts = attrs.field(factory=Timeouts)
-    retry: RetrySettings = attrs.field(factory=RetrySettings)
-    breaker: BreakerSettings = attrs.field(factory=BreakerSettings)
-    health: HealthSettings = attrs.field(factory=HealthSettings)
-    admission: AdmissionSettings = attrs.field(factory=AdmissionSettings)
-    max_payload_size: int = 512 * 1024 * 1024
-    api_key: str | None = None
-    upstream_api_key: str | None = None
-    request_id_headers: tuple[str, ...] = ("x-request-id", "x-correlation-id", "x-trace-id")
-    kv_connector: str = "nixl"
-    transport: str = "h11"
-    #: Bytes of decode output the router buffers for a client that reads slower than the engine
-    #: writes; past it the client is treated as gone (the engine is aborted, the load released).
-    max_buffered_bytes: int = 16 * 1024 * 1024
+    # -- listening
+    server: ServerSettings = section(ServerSettings)
+    # -- upstreams
+    pd: bool = setting(
+        False,
+        Flag(
+            "--vllm-pd-disaggregation",
+            Group.UPSTREAMS,
+            "PD mode: every request runs a prefill leg, then a decode leg (NIXL handshake)",
+            action="store_true",
+        ),
+    )
+    prefill_urls: tuple[str, ...] = setting(
+        (),
+        Flag(
+            "--prefill",
+            Group.UPSTREAMS,
+            "prefill server URL; repeat for several. A bootstrap port after the URL is accepted"
+            " for compatibility and ignored (the NIXL connector does not use it)",
+            nargs="+",
+            action="append",
+            metavar=("URL", "BOOTSTRAP_PORT"),
+            parse=_prefill_urls,
+        ),
+    )
+    decode_urls: tuple[str, ...] = setting(
+        (),
+        Flag(
+            "--decode",
+            Group.UPSTREAMS,
+            "decode server URL; repeat for several",
+            action="append",
+            metavar="URL",
+            parse=tuple,
+        ),
+    )
+    worker_urls: tuple[str, ...] = setting(
+        (),
+        Flag(
+            "--worker-urls",
+            Group.UPSTREAMS,
+            "regular mode: servers that take whole requests",
+            nargs="*",
+            metavar="URL",
+            parse=tuple,
+        ),
+    )
+    dp_size: int = setting(
+        1,
+        Flag(
+            "--intra-node-data-parallel-size",
+            Group.UPSTREAMS,
+            "data-parallel engines per server: each URL becomes endpoints url@0..url@N-1,"
+            " each with its own load, addressed with the X-data-parallel-rank header",
+            type=int,
+        ),
+    )
+    kv_connector: str = setting(
+        "nixl",
+        Flag(
+            "--kv-connector",
+            Group.UPSTREAMS,
+            "vLLM KV connector: nixl (pull-based), or p2p_nccl (request ids carry both"
+            " peers' addresses)",
+            choices=KV_CONNECTORS,
+        ),
+    )
+    transport: str = setting(
+        "h11",
+        Flag(
+            "--upstream-transport",
+            Group.UPSTREAMS,
+            "HTTP client pool for upstreams: h11 (ours; closes a connection the moment its"
+            " request is abandoned) or httpx (httpx's stock pool, for comparison)",
+            choices=TRANSPORTS,
+        ),
+    )
+    # -- routing policy
+    policy: str = setting(
+        "cache_aware",
+        Flag("--policy", Group.ROUTING_POLICY, "policy of every stage", choices=POLICY_NAMES),
+    )
+    prefill_policy: str | None = setting(
+        None,
+        Flag(
+            "--prefill-policy",
+            Group.ROUTING_POLICY,
+            "override --policy for prefill",
+            choices=POLICY_NAMES,
+        ),
+    )
+    decode_policy: str | None = setting(
+        None,
+        Flag(
+            "--decode-policy",
+            Group.ROUTING_POLICY,
+            "override --policy for decode",
+            choices=POLICY_NAMES,
+        ),
+    )
+    policy_settings: PolicySettings = section(PolicySettings)
+    # -- requests
+    max_payload_size: int = setting(
+        512 * 1024 * 1024,
+        Flag(
+            "--max-payload-size",
+            Group.REQUESTS,
+            "largest request body accepted, in bytes (larger: 413)",
+            type=int,
+        ),
+    )
+    timeouts: Timeouts = section(Timeouts)
     #: If the client leaves after prefill answered but before decode answered, send decode a
     #: one-token request with the prefill's KV params, so the prefill engine frees its blocks
     #: now instead of at vLLM's KV timeout.
-    release_stranded_kv: bool = True
-    prometheus_host: str | None = None
-    prometheus_port: int | None = None
-    #: Seconds between scrapes of each upstream's ``/metrics`` (engine truth); 0 = off.
-    engine_metrics_interval: float = 1.0
-    log_level: str = "info"
+    release_stranded_kv: bool = setting(
+        True,
+        Flag(
+            "--release-stranded-kv",
+            Group.REQUESTS,
+            "when a client leaves after prefill answered but before decode did, send decode a"
+            " one-token request so the prefill engine frees the KV blocks at once",
+            action=argparse.BooleanOptionalAction,
+        ),
+    )
+    request_id_headers: tuple[str, ...] = setting(
+        ("x-request-id", "x-correlation-id", "x-trace-id"),
+        Flag(
+            "--request-id-headers",
+            Group.REQUESTS,
+            "client headers to take the request id from, first present wins",
+            nargs="*",
+            metavar="HEADER",
+            parse=_lower_case,
+        ),
+    )
+    #: Bytes of decode output the router buffers for a client that reads slower than the engine
+    #: writes; past it the client is treated as gone (the engine is aborted, the load released).
+    max_buffered_bytes: int = setting(
+        16 * 1024 * 1024,
+        Flag(
+            "--max-buffered-bytes",
+            Group.REQUESTS,
+            "decode output held for a client reading slower than the engine writes; past it"
+            " the request is aborted upstream",
+            type=int,
+        ),
+    )
     #: Test-only: reproduce the historic bug (decode load released when its headers arrive).
-    release_decode_at_headers: bool = False
+    release_decode_at_headers: bool = setting(
+        False,
+        Flag(
+            "--release-decode-at-headers",
+            Group.REQUESTS,
+            "release decode load at its response headers (a historic bug, for tests)",
+            action="store_true",
+            hidden=True,
+        ),
+    )
+    # -- resilience
+    retry: RetrySettings = section(RetrySettings)
+    breaker: BreakerSettings = section(BreakerSettings)
+    health: HealthSettings = section(HealthSettings)
+    admission: AdmissionSettings = section(AdmissionSettings)
+    # -- security
+    api_key: str | None = setting(
+        None,
+        Flag(
+            "--api-key",
+            Group.SECURITY,
+            "require 'Authorization: Bearer KEY' on every route but /health, /liveness and"
+            " /readiness",
+        ),
+    )
+    upstream_api_key: str | None = setting(
+        None,
+        Flag(
+            "--upstream-api-key",
+            Group.SECURITY,
+            "send 'Authorization: Bearer KEY' to upstreams instead of the client's header",
+        ),
+    )
+    # -- observability
+    log_level: str = setting(
+        "info",
+        Flag(
+            "--log-level",
+            Group.OBSERVABILITY,
+            "info: one access line per request; debug: also every routing decision"
+            " (stage=... max_load=... min_load=... is_unbalanced=...)",
+            choices=LOG_LEVELS,
+        ),
+    )
+    prometheus_host: str | None = setting(
+        None,
+        Flag(
+            "--prometheus-host",
+            Group.OBSERVABILITY,
+            "also serve /metrics on a separate listener here",
+        ),
+    )
+    prometheus_port: int | None = setting(
+        None,
+        Flag(
+            "--prometheus-port",
+            Group.OBSERVABILITY,
+            "port of the separate /metrics listener",
+            type=int,
+        ),
+    )
+    #: Seconds between scrapes of each upstream's ``/metrics`` (engine truth); 0 = off.
+    engine_metrics_interval: float = setting(
+        1.0,
+        Flag(
+            "--engine-metrics-interval",
+            Group.OBSERVABILITY,
+            "scrape each upstream's /metrics this often and compare the engines' running and"
+            " waiting requests with the router's load ('engine' and 'drift' in /get_loads,"
+            " trio_pdrouter_load_drift); 0 turns it off",
+            type=float,
+            metavar="SECS",
+        ),
+    )
 
     def stage_policy(self, role: Role) -> str:
         if role is Role.PREFILL and self.prefill_policy:
