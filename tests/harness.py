@@ -216,7 +216,7 @@ async def call(
 
 def make_app(config: RouterConfig, handler: Handler) -> tuple[RouterApp, ScriptedUpstream]:
     upstream = ScriptedUpstream(handler)
-    app = build_app(config.validate(), httpx.AsyncClient(transport=upstream))
+    app = build_app(config, httpx.AsyncClient(transport=upstream))
     return app, upstream
 
 

@@ -305,7 +305,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.clock = trio.testing.MockClock()
         self.loop = TrioLoopThread(self.clock)
         self.upstream = ScriptedUpstream(self._answer)
-        config = self.config.validate()
+        config = self.config
         self.client = httpx.AsyncClient(transport=self.upstream, timeout=_client_timeout(config))
         self.app = build_app(config, self.client)
         self.requests: dict[str, ClientRequest] = {}

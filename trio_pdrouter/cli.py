@@ -15,7 +15,8 @@ from collections.abc import Sequence
 import trio
 
 from . import __version__, flags
-from .config import ConfigError, RouterConfig
+from .config import RouterConfig
+from .flags import ConfigError
 
 DESCRIPTION = """\
 A vLLM router for prefill/decode (PD) disaggregated serving and plain load balancing, built on
@@ -50,7 +51,7 @@ def parse_config(argv: Sequence[str] | None = None) -> RouterConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return flags.build(RouterConfig, args).validate()
+        return flags.build(RouterConfig, args)
     except ConfigError as exc:
         parser.error(str(exc))
 

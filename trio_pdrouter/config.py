@@ -1,18 +1,21 @@
-"""Every setting of the router as frozen values, validated once with messages fit for users.
+"""Every setting of the router as frozen values, valid by construction.
 
-Each field that a command-line flag sets declares that flag, its default and help in one place
-(see :mod:`trio_pdrouter.flags` for the rules); the fields of :class:`RouterConfig` are in the
-order of ``--help``.
+Each field that a command-line flag sets declares that flag, its default, help and check in one
+place (see :mod:`trio_pdrouter.flags` for the rules); the fields of :class:`RouterConfig` are in
+the order of ``--help``. Building any of these classes, ``attrs.evolve`` included, validates it
+and raises :class:`ConfigError` with a message fit for users.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import attrs
 
-from .endpoints import Endpoint, Role, expand
-from .flags import Flag, Group, Switch, section, setting
+from .endpoints import Endpoint, Role, expand, normalize_url
+from .flags import ConfigError as ConfigError
+from .flags import Flag, Group, Switch, must, positive, section, setting
 from .policies import POLICY_NAMES, PolicySettings
 
 KV_CONNECTORS = ("nixl", "p2p_nccl")
@@ -20,8 +23,13 @@ TRANSPORTS = ("h11", "httpx")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
-class ConfigError(ValueError):
-    """A setting that cannot work; the message says which and why."""
+def _upstream_urls(instance: Any, field: attrs.Attribute[Any], urls: tuple[str, ...]) -> None:
+    """The check of upstream URLs: :func:`normalize_url`'s, as for ``POST /workers``."""
+    for url in urls:
+        try:
+            normalize_url(url)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def _prefill_urls(groups: list[list[str]]) -> tuple[str, ...]:
@@ -89,6 +97,7 @@ class Timeouts:
             " decode chunks; never a stream that keeps producing",
             type=float,
         ),
+        check=positive,
     )
     prefill: float | None = setting(
         None,
@@ -98,6 +107,7 @@ class Timeouts:
             "limit on the whole prefill leg (default: --request-timeout-secs)",
             type=float,
         ),
+        check=positive,
     )
     first_byte: float | None = setting(
         None,
@@ -108,6 +118,7 @@ class Timeouts:
             " that is the whole answer (default: --request-timeout-secs)",
             type=float,
         ),
+        check=positive,
     )
     idle: float | None = setting(
         None,
@@ -117,6 +128,7 @@ class Timeouts:
             "longest gap between two chunks of a decode stream (default: --request-timeout-secs)",
             type=float,
         ),
+        check=positive,
     )
     connect: float = setting(
         10.0,
@@ -126,6 +138,7 @@ class Timeouts:
             "time to open a connection to an upstream",
             type=float,
         ),
+        check=positive,
     )
 
     @property
@@ -160,6 +173,7 @@ class RetrySettings:
             "one attempt per request (as --retry-max-retries 1)",
             sets=1,
         ),
+        check=must(lambda n: n >= 1, "must be at least 1 (1 = no retry)"),
     )
     initial_backoff_ms: int = setting(
         50,
@@ -345,6 +359,7 @@ class RouterConfig:
             metavar=("URL", "BOOTSTRAP_PORT"),
             parse=_prefill_urls,
         ),
+        check=_upstream_urls,
     )
     decode_urls: tuple[str, ...] = setting(
         (),
@@ -356,6 +371,7 @@ class RouterConfig:
             metavar="URL",
             parse=tuple,
         ),
+        check=_upstream_urls,
     )
     worker_urls: tuple[str, ...] = setting(
         (),
@@ -367,6 +383,7 @@ class RouterConfig:
             metavar="URL",
             parse=tuple,
         ),
+        check=_upstream_urls,
     )
     dp_size: int = setting(
         1,
@@ -377,6 +394,7 @@ class RouterConfig:
             " each with its own load, addressed with the X-data-parallel-rank header",
             type=int,
         ),
+        check=must(lambda n: n >= 1, "must be at least 1"),
     )
     kv_connector: str = setting(
         "nixl",
@@ -431,6 +449,7 @@ class RouterConfig:
             "largest request body accepted, in bytes (larger: 413)",
             type=int,
         ),
+        check=positive,
     )
     timeouts: Timeouts = section(Timeouts)
     #: If the client leaves after prefill answered but before decode answered, send decode a
@@ -543,7 +562,25 @@ class RouterConfig:
             type=float,
             metavar="SECS",
         ),
+        check=must(lambda s: s >= 0, "must be 0 (off) or a positive number"),  # refuses NaN
     )
+
+    def __attrs_post_init__(self) -> None:
+        """The checks that involve several fields: which upstreams the mode needs."""
+        if self.pd:
+            if not self.prefill_urls or not self.decode_urls:
+                raise ConfigError(
+                    "--vllm-pd-disaggregation needs at least one --prefill and one --decode URL"
+                )
+            if self.worker_urls:
+                raise ConfigError("--worker-urls cannot be combined with --vllm-pd-disaggregation")
+        elif not self.worker_urls:
+            if self.prefill_urls or self.decode_urls:
+                raise ConfigError("--prefill/--decode need --vllm-pd-disaggregation")
+            raise ConfigError(
+                "no upstream: give --worker-urls URL..., or --vllm-pd-disaggregation with"
+                " --prefill URL and --decode URL"
+            )
 
     def stage_policy(self, role: Role) -> str:
         if role is Role.PREFILL and self.prefill_policy:
@@ -560,51 +597,3 @@ class RouterConfig:
                 Role.DECODE: expand(self.decode_urls, Role.DECODE, self.dp_size),
             }
         return {Role.REGULAR: expand(self.worker_urls, Role.REGULAR, self.dp_size)}
-
-    def validate(self) -> RouterConfig:
-        """Raise :class:`ConfigError` for settings that cannot work; return self."""
-        if self.pd:
-            if not self.prefill_urls or not self.decode_urls:
-                raise ConfigError(
-                    "--vllm-pd-disaggregation needs at least one --prefill and one --decode URL"
-                )
-            if self.worker_urls:
-                raise ConfigError("--worker-urls cannot be combined with --vllm-pd-disaggregation")
-        elif not self.worker_urls:
-            if self.prefill_urls or self.decode_urls:
-                raise ConfigError("--prefill/--decode need --vllm-pd-disaggregation")
-            raise ConfigError(
-                "no upstream: give --worker-urls URL..., or --vllm-pd-disaggregation with"
-                " --prefill URL and --decode URL"
-            )
-        if self.dp_size < 1:
-            raise ConfigError("--intra-node-data-parallel-size must be at least 1")
-        for name in (self.policy, self.prefill_policy, self.decode_policy):
-            if name is not None and name not in POLICY_NAMES:
-                raise ConfigError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
-        s = self.policy_settings
-        if not 0.0 <= s.cache_threshold <= 1.0:
-            raise ConfigError("--cache-threshold must be between 0.0 and 1.0")
-        if s.max_tree_size < 1:
-            raise ConfigError("--max-tree-size must be positive")
-        if self.kv_connector not in KV_CONNECTORS:
-            raise ConfigError(
-                f"--kv-connector {self.kv_connector!r} is not supported; choose from"
-                f" {', '.join(KV_CONNECTORS)}"
-            )
-        if self.transport not in TRANSPORTS:
-            raise ConfigError(f"--upstream-transport must be one of {', '.join(TRANSPORTS)}")
-        if self.max_payload_size < 1:
-            raise ConfigError("--max-payload-size must be positive")
-        t = self.timeouts
-        if min(t.request, t.connect, t.prefill_limit, t.first_byte_limit, t.idle_limit) <= 0:
-            raise ConfigError("timeouts must be positive")
-        if self.retry.max_retries < 1:
-            raise ConfigError("--retry-max-retries must be at least 1 (1 = no retry)")
-        if not self.engine_metrics_interval >= 0:  # also refuses NaN
-            raise ConfigError("--engine-metrics-interval must be 0 (off) or a positive number")
-        try:
-            self.endpoints()
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        return self

@@ -11,6 +11,10 @@ The rules:
   order of the fields).
 * A field may also carry a :class:`Switch`, a flag without a value that, when given, sets the
   field to a fixed value whatever its flag says (``--disable-retries``).
+* Validation is declared on the field as well (``check=``) and runs whenever the class is built,
+  by :func:`build`, by hand or by ``attrs.evolve``: an invalid config cannot exist. A field whose
+  flag has ``choices`` accepts only those. ``None`` always passes: it means "not set".
+* Every refusal is a :class:`ConfigError` whose message names the flag (or the URL) at fault.
 """
 
 from __future__ import annotations
@@ -26,9 +30,16 @@ import attrs
 T = TypeVar("T")
 Settings = TypeVar("Settings", bound=attrs.AttrsInstance)
 
+#: An attrs validator: called with the instance being built, the field and its value.
+Check = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+
 _FLAG = "trio_pdrouter.flag"
 _SWITCH = "trio_pdrouter.switch"
 _SECTION = "trio_pdrouter.section"
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message says which and why."""
 
 
 class Group(enum.Enum):
@@ -55,7 +66,7 @@ class Flag:
     nargs: str | None = None
     metavar: str | tuple[str, ...] | None = None
     action: str | builtins.type[argparse.Action] | None = None
-    #: Turns what argparse parsed into the field's value.
+    #: Turns what argparse parsed into the field's value; may raise :class:`ConfigError`.
     parse: Callable[[Any], Any] | None = None
     #: Parsed as usual but left out of ``--help`` (test-only flags).
     hidden: bool = False
@@ -104,9 +115,20 @@ def _dest(spelling: str) -> str:
     return spelling.removeprefix("--").replace("-", "_")
 
 
-def setting(default: T, flag: Flag | None = None, *, switch: Switch | None = None) -> T:
-    """A config field with its default and the flags that set it."""
-    field: T = attrs.field(default=default, metadata={_FLAG: flag, _SWITCH: switch})
+def setting(
+    default: T,
+    flag: Flag | None = None,
+    *,
+    switch: Switch | None = None,
+    check: Check | None = None,
+) -> T:
+    """A config field with its default, the flags that set it and the check of its value."""
+    checks = [check] if check is not None else []
+    if flag is not None and flag.choices is not None:
+        checks.append(_one_of(flag.choices))
+    field: T = attrs.field(
+        default=default, validator=checks, metadata={_FLAG: flag, _SWITCH: switch}
+    )
     return field
 
 
@@ -114,6 +136,35 @@ def section(cls: type[Settings]) -> Settings:
     """A field holding a nested settings class, whose flags are walked too."""
     field: Settings = attrs.field(factory=cls, metadata={_SECTION: cls})
     return field
+
+
+def must(test: Callable[[Any], bool], text: str) -> Check:
+    """Refuse a value ``test`` rejects with "<flag> <text>"."""
+
+    def check(instance: Any, field: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None and not test(value):
+            raise ConfigError(f"{_name(field)} {text}")
+
+    return check
+
+
+positive = must(lambda x: x > 0, "must be positive")
+
+
+def _one_of(choices: tuple[str, ...]) -> Check:
+    def check(instance: Any, field: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None and value not in choices:
+            raise ConfigError(
+                f"{_name(field)} {value!r} is not supported; choose from {', '.join(choices)}"
+            )
+
+    return check
+
+
+def _name(field: attrs.Attribute[Any]) -> str:
+    """How messages call a field: by its flag, else by its name."""
+    flag: Flag | None = field.metadata.get(_FLAG)
+    return field.name if flag is None else flag.spelling
 
 
 def declared(
@@ -138,7 +189,10 @@ def add_flags(parser: argparse.ArgumentParser, root: type[attrs.AttrsInstance]) 
 
 
 def build(cls: type[Settings], args: argparse.Namespace) -> Settings:
-    """The ``cls`` that ``args`` (parsed by a parser from :func:`add_flags`) describe."""
+    """The ``cls`` that ``args`` (parsed by a parser from :func:`add_flags`) describe.
+
+    Raises :class:`ConfigError` when the settings cannot work.
+    """
     values: dict[str, Any] = {}
     for field in attrs.fields(cls):
         nested = field.metadata.get(_SECTION)

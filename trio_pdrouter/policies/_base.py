@@ -13,7 +13,7 @@ from typing import Protocol
 import attrs
 
 from ..endpoints import Endpoint
-from ..flags import Flag, Group, setting
+from ..flags import Flag, Group, must, positive, setting
 
 
 @attrs.frozen
@@ -44,6 +44,7 @@ class PolicySettings:
             " request text (0.0-1.0)",
             type=float,
         ),
+        check=must(lambda t: 0.0 <= t <= 1.0, "must be between 0.0 and 1.0"),
     )
     balance_abs_threshold: int = setting(
         64,
@@ -81,6 +82,7 @@ class PolicySettings:
             "cache_aware: characters each endpoint may keep in the prefix tree",
             type=int,
         ),
+        check=positive,
     )
     virtual_nodes: int = 160
 
