@@ -220,7 +220,7 @@ def make_app(
     """The app over a scripted upstream; ``background`` runs what outlives a request (pass the
     ``background`` fixture of ``tests/conftest.py``)."""
     upstream = ScriptedUpstream(handler)
-    app = build_app(config.validate(), httpx.AsyncClient(transport=upstream), background)
+    app = build_app(config, httpx.AsyncClient(transport=upstream), background)
     return app, upstream
 
 

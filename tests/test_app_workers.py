@@ -81,6 +81,16 @@ async def test_bad_worker_requests_are_refused(background: trio.Nursery) -> None
     assert (await call(app, "DELETE", "/workers/http://nowhere:1")).status == 404
 
 
+async def test_https_workers_are_refused_with_the_command_lines_message(
+    background: trio.Nursery,
+) -> None:
+    app, _ = make_app(pd_config(), ok_handler, background)
+    ex = await call(app, "POST", "/workers", {"url": "https://x:1", "role": "decode"})
+    assert ex.status == 400
+    assert "https upstreams are not supported yet" in ex.json()["error"]["message"]
+    assert loads(app)["decode"] == {"http://decode:8200": 0}
+
+
 async def test_removal_stops_new_traffic_and_waits_for_in_flight_requests(
     background: trio.Nursery,
 ) -> None:

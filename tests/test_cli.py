@@ -1,10 +1,15 @@
+import argparse
+import functools
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
-from trio_pdrouter.cli import parse_config
-from trio_pdrouter.endpoints import Role
+from trio_pdrouter import flags
+from trio_pdrouter.cli import build_parser, parse_config
+from trio_pdrouter.config import RouterConfig
+from trio_pdrouter.endpoints import Role, normalize_url
 
 SEED = (
     "--vllm-pd-disaggregation --host 0.0.0.0 --port 29100 --policy cache_aware"
@@ -60,7 +65,7 @@ def test_repeated_urls_and_bootstrap_port() -> None:
     [
         ([], "no upstream"),
         (["--vllm-pd-disaggregation", "--prefill", "http://a:1"], "at least one --prefill"),
-        (["--worker-urls", "ftp://a:1"], "http:// or https://"),
+        (["--worker-urls", "ftp://a:1"], "must start with http://"),
         (["--worker-urls", "http://a"], "explicit port"),
         (["--worker-urls", "http://a:1", "--cache-threshold", "2"], "between 0.0 and 1.0"),
         (["--prefill", "http://a:1", "--decode", "http://b:1"], "need --vllm-pd-disaggregation"),
@@ -92,3 +97,126 @@ def test_help_documents_the_flags() -> None:
     ]:
         assert flag in out
     assert "--release-decode-at-headers" not in out
+
+
+#: Every option of the parser before the flags were declared on the config fields.
+FLAGS_BEFORE = [
+    "--api-key", "--backlog", "--balance-abs-threshold", "--balance-rel-threshold",
+    "--cache-threshold", "--cb-failure-threshold", "--cb-success-threshold",
+    "--cb-timeout-duration-secs", "--cb-window-duration-secs", "--connect-timeout-secs",
+    "--decode", "--decode-first-byte-timeout-secs", "--decode-idle-timeout-secs",
+    "--decode-policy", "--disable-circuit-breaker", "--disable-retries",
+    "--engine-metrics-interval", "--eviction-interval-secs", "--graceful-timeout-secs",
+    "--health-check-endpoint", "--health-check-interval-secs", "--health-check-timeout-secs",
+    "--health-failure-threshold", "--health-success-threshold", "--help", "--host",
+    "--intra-node-data-parallel-size", "--keep-alive-timeout-secs", "--kv-connector",
+    "--log-level", "--max-buffered-bytes", "--max-concurrent-requests", "--max-payload-size",
+    "--max-tree-size", "--no-release-stranded-kv", "--policy", "--port", "--prefill",
+    "--prefill-policy", "--prefill-timeout-secs", "--prometheus-host", "--prometheus-port",
+    "--queue-size", "--queue-timeout-secs", "--release-decode-at-headers",
+    "--release-stranded-kv", "--request-id-headers", "--request-timeout-secs",
+    "--retry-backoff-multiplier", "--retry-initial-backoff-ms", "--retry-jitter-factor",
+    "--retry-max-backoff-ms", "--retry-max-retries", "--upstream-api-key",
+    "--upstream-transport", "--version", "--vllm-pd-disaggregation", "--worker-urls", "-h",
+]  # fmt: skip
+
+
+def test_the_flag_set_is_the_one_before() -> None:
+    spellings = [s for action in build_parser()._actions for s in action.option_strings]
+    assert sorted(spellings) == FLAGS_BEFORE
+
+
+REGULAR = ["--worker-urls", "http://w:1"]
+PD = ["--vllm-pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://d:2"]
+#: Values for flags whose value is a name, by metavar: a URL, a header, a bootstrap port.
+SAMPLES = {"URL": "http://sample:9", "HEADER": "X-Sample", "BOOTSTRAP_PORT": "8998"}
+
+
+def sample(option: flags.Flag | flags.Switch, default: Any) -> list[str]:
+    """A command line that gives ``option`` a valid value other than its field's default."""
+    if isinstance(option, flags.Switch) or option.action == "store_true":
+        return [option.spelling]
+    if option.action is argparse.BooleanOptionalAction:
+        return ["--no-" + option.spelling[2:] if default else option.spelling]
+    if option.choices is not None:
+        return [option.spelling, next(c for c in reversed(option.choices) if c != default)]
+    if option.type is int:
+        return [option.spelling, str(default * 2 if default else 3)]
+    if option.type is float:
+        return [option.spelling, str(default / 2 if default else 2.5)]
+    if option.metavar is not None:
+        names = option.metavar if isinstance(option.metavar, tuple) else (option.metavar,)
+        return [option.spelling, *(SAMPLES[name] for name in names)]
+    return [option.spelling, "sample" if default is None else f"{default}-sample"]
+
+
+DECLARED = list(flags.declared(RouterConfig))
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "option"), DECLARED, ids=[option.spelling for _, _, option in DECLARED]
+)
+def test_every_flag_sets_its_field(
+    path: tuple[str, ...], field: Any, option: flags.Flag | flags.Switch
+) -> None:
+    argv = sample(option, field.default)
+    for base in (REGULAR, PD):  # the flag may need PD mode, or may not go with it
+        try:
+            config = parse_config([*base, *argv])
+            break
+        except SystemExit:
+            continue
+    else:
+        pytest.fail(f"{argv} is refused with both {REGULAR} and {PD}")
+    args = build_parser().parse_args([*base, *argv])
+    expected = option.sets if isinstance(option, flags.Switch) else option.value(args)
+    value = functools.reduce(getattr, path, config)
+    assert value == expected
+    assert value != field.default
+
+
+def test_a_switch_wins_wherever_it_stands() -> None:
+    for argv in (
+        ["--disable-retries", "--retry-max-retries", "3"],
+        ["--retry-max-retries", "3", "--disable-retries"],
+    ):
+        assert parse_config([*REGULAR, *argv]).retry.max_retries == 1
+    assert parse_config([*REGULAR, "--retry-max-retries", "3"]).retry.max_retries == 3
+
+
+def test_more_than_a_bootstrap_port_after_a_prefill_url_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_config([*PD, "--prefill", "http://p:2", "8998", "extra"])
+    assert info.value.code == 2
+    assert "--prefill takes a URL and an optional bootstrap port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--worker-urls", "https://w:1"],
+        ["--vllm-pd-disaggregation", "--prefill", "https://p:1", "--decode", "http://d:2"],
+        ["--vllm-pd-disaggregation", "--prefill", "http://p:1", "--decode", "https://d:2"],
+    ],
+)
+def test_https_upstreams_are_refused_at_start(argv: list[str]) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "trio_pdrouter", *argv], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert "https upstreams are not supported yet" in done.stderr
+    assert "use http://" in done.stderr
+
+
+def test_normalize_url_refuses_https_clearly() -> None:
+    with pytest.raises(ValueError) as info:
+        normalize_url("https://a:1")
+    assert str(info.value) == (
+        "'https://a:1': https upstreams are not supported yet: the upstream transport speaks"
+        " plain HTTP; use http://"
+    )
+    with pytest.raises(ValueError, match="must start with http://"):
+        normalize_url("ftp://a:1")
+    assert normalize_url("http://a:1/") == "http://a:1"

@@ -297,7 +297,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.loop = TrioLoopThread(self.clock)
         self.upstream = ScriptedUpstream(self._answer)
         # The same limits trio_pdrouter.upstream.make_client gives the real client.
-        timeout = client_timeout(self.config.validate().timeouts)
+        timeout = client_timeout(self.config.timeouts)
         self.client = httpx.AsyncClient(transport=self.upstream, timeout=timeout)
         #: The app of the server running now (each start builds one: its background nursery,
         #: where stranded-KV reclaims run, lives as long as that server).

@@ -1,139 +1,321 @@
-"""Every setting of the router as frozen values, validated once with messages fit for users."""
+"""Every setting of the router as frozen values, valid by construction.
+
+Each field that a command-line flag sets declares that flag, its default, help and check in one
+place (see :mod:`trio_pdrouter.flags` for the rules); the fields of :class:`RouterConfig` are in
+the order of ``--help``. Building any of these classes, ``attrs.evolve`` included, validates it
+and raises :class:`ConfigError` with a message fit for users.
+"""
 
 from __future__ import annotations
 
+import argparse
+from typing import Any
+
 import attrs
 
-from .endpoints import Endpoint, Role, expand
+from .endpoints import Endpoint, Role, expand, normalize_url
+from .flags import ConfigError as ConfigError
+from .flags import Flag, Group, must, positive, section, setting
 from .policies import POLICY_NAMES, PolicySettings
+from .settings import (
+    AdmissionSettings,
+    BreakerSettings,
+    HealthSettings,
+    RetrySettings,
+    ServerSettings,
+    Timeouts,
+)
+
+__all__ = [
+    "AdmissionSettings",
+    "BreakerSettings",
+    "ConfigError",
+    "HealthSettings",
+    "RetrySettings",
+    "RouterConfig",
+    "ServerSettings",
+    "Timeouts",
+]
 
 KV_CONNECTORS = ("nixl", "p2p_nccl")
 TRANSPORTS = ("h11", "httpx")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
-class ConfigError(ValueError):
-    """A setting that cannot work; the message says which and why."""
+def _upstream_urls(instance: Any, field: attrs.Attribute[Any], urls: tuple[str, ...]) -> None:
+    """The check of upstream URLs: :func:`normalize_url`'s, as for ``POST /workers``; and each
+    server once per role."""
+    seen: set[str] = set()
+    for url in urls:
+        try:
+            normalized = normalize_url(url)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if normalized in seen:
+            raise ConfigError(f"{normalized} is given twice for the same role")
+        seen.add(normalized)
 
 
-@attrs.frozen
-class Timeouts:
-    """Upstream time limits in seconds.
-
-    ``--request-timeout-secs`` is the default of the three limits below; none of them bounds a
-    stream that keeps producing, however long it runs:
-
-    * ``prefill``: the whole prefill leg (request sent, JSON answer read);
-    * ``first_byte``: from sending the decode leg to its response head (for a non-streaming
-      request, which vLLM answers in one piece, that is the whole answer);
-    * ``idle``: the longest gap between two reads of a decode stream.
-
-    A limit hit before the client got a byte is a 504 (and may be retried); after, the stream
-    ends with an SSE error event and ``[DONE]``.
-    """
-
-    connect: float = 10.0
-    request: float = 1800.0
-    prefill: float | None = None
-    first_byte: float | None = None
-    idle: float | None = None
-
-    @property
-    def prefill_limit(self) -> float:
-        return self.request if self.prefill is None else self.prefill
-
-    @property
-    def first_byte_limit(self) -> float:
-        return self.request if self.first_byte is None else self.first_byte
-
-    @property
-    def idle_limit(self) -> float:
-        return self.request if self.idle is None else self.idle
+def _prefill_urls(groups: list[list[str]]) -> tuple[str, ...]:
+    """``--prefill URL [BOOTSTRAP_PORT]``, repeated: the URLs (the port is vllm-router's)."""
+    for group in groups:
+        if len(group) > 2:
+            raise ConfigError(f"--prefill takes a URL and an optional bootstrap port, got {group}")
+    return tuple(group[0] for group in groups)
 
 
-@attrs.frozen
-class RetrySettings:
-    #: Attempts per request in all (vllm-router's meaning: 1 = no retry).
-    max_retries: int = 5
-    initial_backoff_ms: int = 50
-    max_backoff_ms: int = 30_000
-    backoff_multiplier: float = 1.5
-    jitter_factor: float = 0.2
-
-
-@attrs.frozen
-class BreakerSettings:
-    enabled: bool = True
-    failure_threshold: int = 10
-    success_threshold: int = 3
-    timeout_duration_secs: float = 60.0
-    window_duration_secs: float = 120.0
-
-
-@attrs.frozen
-class HealthSettings:
-    endpoint: str = "/health"
-    interval_secs: float = 60.0
-    timeout_secs: float = 5.0
-    failure_threshold: int = 3
-    success_threshold: int = 2
-
-
-@attrs.frozen
-class AdmissionSettings:
-    max_concurrent_requests: int = 32768
-    queue_size: int = 100
-    queue_timeout_secs: float = 60.0
-
-
-@attrs.frozen
-class ServerSettings:
-    """How hypercorn listens."""
-
-    host: str = "127.0.0.1"
-    port: int = 30000
-    backlog: int = 2048
-    keep_alive_timeout: float = 75.0
-    graceful_timeout: float = 30.0
-    max_header_bytes: int = 64 * 1024
+def _lower_case(names: list[str]) -> tuple[str, ...]:
+    return tuple(name.lower() for name in names)
 
 
 @attrs.frozen
 class RouterConfig:
-    pd: bool = False
-    prefill_urls: tuple[str, ...] = ()
-    decode_urls: tuple[str, ...] = ()
-    worker_urls: tuple[str, ...] = ()
-    dp_size: int = 1
-    policy: str = "cache_aware"
-    prefill_policy: str | None = None
-    decode_policy: str | None = None
-    policy_settings: PolicySettings = attrs.field(factory=PolicySettings)
-    server: ServerSettings = attrs.field(factory=ServerSettings)
-    timeouts: Timeouts = attrs.field(factory=Timeouts)
-    retry: RetrySettings = attrs.field(factory=RetrySettings)
-    breaker: BreakerSettings = attrs.field(factory=BreakerSettings)
-    health: HealthSettings = attrs.field(factory=HealthSettings)
-    admission: AdmissionSettings = attrs.field(factory=AdmissionSettings)
-    max_payload_size: int = 512 * 1024 * 1024
-    api_key: str | None = None
-    upstream_api_key: str | None = None
-    request_id_headers: tuple[str, ...] = ("x-request-id", "x-correlation-id", "x-trace-id")
-    kv_connector: str = "nixl"
-    transport: str = "h11"
-    #: Bytes of decode output the router buffers for a client that reads slower than the engine
-    #: writes; past it the client is treated as gone (the engine is aborted, the load released).
-    max_buffered_bytes: int = 16 * 1024 * 1024
+    # -- listening
+    server: ServerSettings = section(ServerSettings)
+    # -- upstreams
+    pd: bool = setting(
+        False,
+        Flag(
+            "--vllm-pd-disaggregation",
+            Group.UPSTREAMS,
+            "PD mode: every request runs a prefill leg, then a decode leg (NIXL handshake)",
+            action="store_true",
+        ),
+    )
+    prefill_urls: tuple[str, ...] = setting(
+        (),
+        Flag(
+            "--prefill",
+            Group.UPSTREAMS,
+            "prefill server URL; repeat for several. A bootstrap port after the URL is accepted"
+            " for compatibility and ignored (the NIXL connector does not use it)",
+            nargs="+",
+            action="append",
+            metavar=("URL", "BOOTSTRAP_PORT"),
+            parse=_prefill_urls,
+        ),
+        check=_upstream_urls,
+    )
+    decode_urls: tuple[str, ...] = setting(
+        (),
+        Flag(
+            "--decode",
+            Group.UPSTREAMS,
+            "decode server URL; repeat for several",
+            action="append",
+            metavar="URL",
+            parse=tuple,
+        ),
+        check=_upstream_urls,
+    )
+    worker_urls: tuple[str, ...] = setting(
+        (),
+        Flag(
+            "--worker-urls",
+            Group.UPSTREAMS,
+            "regular mode: servers that take whole requests",
+            nargs="*",
+            metavar="URL",
+            parse=tuple,
+        ),
+        check=_upstream_urls,
+    )
+    dp_size: int = setting(
+        1,
+        Flag(
+            "--intra-node-data-parallel-size",
+            Group.UPSTREAMS,
+            "data-parallel engines per server: each URL becomes endpoints url@0..url@N-1,"
+            " each with its own load, addressed with the X-data-parallel-rank header",
+            type=int,
+        ),
+        check=must(lambda n: n >= 1, "must be at least 1"),
+    )
+    kv_connector: str = setting(
+        "nixl",
+        Flag(
+            "--kv-connector",
+            Group.UPSTREAMS,
+            "vLLM KV connector: nixl (pull-based), or p2p_nccl (request ids carry both"
+            " peers' addresses)",
+            choices=KV_CONNECTORS,
+        ),
+    )
+    transport: str = setting(
+        "h11",
+        Flag(
+            "--upstream-transport",
+            Group.UPSTREAMS,
+            "HTTP client pool for upstreams: h11 (ours; closes a connection the moment its"
+            " request is abandoned) or httpx (httpx's stock pool, for comparison)",
+            choices=TRANSPORTS,
+        ),
+    )
+    # -- routing policy
+    policy: str = setting(
+        "cache_aware",
+        Flag("--policy", Group.ROUTING_POLICY, "policy of every stage", choices=POLICY_NAMES),
+    )
+    prefill_policy: str | None = setting(
+        None,
+        Flag(
+            "--prefill-policy",
+            Group.ROUTING_POLICY,
+            "override --policy for prefill",
+            choices=POLICY_NAMES,
+        ),
+    )
+    decode_policy: str | None = setting(
+        None,
+        Flag(
+            "--decode-policy",
+            Group.ROUTING_POLICY,
+            "override --policy for decode",
+            choices=POLICY_NAMES,
+        ),
+    )
+    policy_settings: PolicySettings = section(PolicySettings)
+    # -- requests
+    max_payload_size: int = setting(
+        512 * 1024 * 1024,
+        Flag(
+            "--max-payload-size",
+            Group.REQUESTS,
+            "largest request body accepted, in bytes (larger: 413)",
+            type=int,
+        ),
+        check=positive,
+    )
+    timeouts: Timeouts = section(Timeouts)
     #: If the client leaves after prefill answered but before decode answered, send decode a
     #: one-token request with the prefill's KV params, so the prefill engine frees its blocks
     #: now instead of at vLLM's KV timeout.
-    release_stranded_kv: bool = True
-    prometheus_host: str | None = None
-    prometheus_port: int | None = None
-    #: Seconds between scrapes of each upstream's ``/metrics`` (engine truth); 0 = off.
-    engine_metrics_interval: float = 1.0
-    log_level: str = "info"
+    release_stranded_kv: bool = setting(
+        True,
+        Flag(
+            "--release-stranded-kv",
+            Group.REQUESTS,
+            "when a client leaves after prefill answered but before decode did, send decode a"
+            " one-token request so the prefill engine frees the KV blocks at once",
+            action=argparse.BooleanOptionalAction,
+        ),
+    )
+    request_id_headers: tuple[str, ...] = setting(
+        ("x-request-id", "x-correlation-id", "x-trace-id"),
+        Flag(
+            "--request-id-headers",
+            Group.REQUESTS,
+            "client headers to take the request id from, first present wins",
+            nargs="*",
+            metavar="HEADER",
+            parse=_lower_case,
+        ),
+    )
+    #: Bytes of decode output the router buffers for a client that reads slower than the engine
+    #: writes; past it the client is treated as gone (the engine is aborted, the load released).
+    max_buffered_bytes: int = setting(
+        16 * 1024 * 1024,
+        Flag(
+            "--max-buffered-bytes",
+            Group.REQUESTS,
+            "decode output held for a client reading slower than the engine writes; past it"
+            " the request is aborted upstream",
+            type=int,
+        ),
+    )
     #: Test-only: reproduce the historic bug (decode load released when its headers arrive).
-    release_decode_at_headers: bool = False
+    release_decode_at_headers: bool = setting(
+        False,
+        Flag(
+            "--release-decode-at-headers",
+            Group.REQUESTS,
+            "release decode load at its response headers (a historic bug, for tests)",
+            action="store_true",
+            hidden=True,
+        ),
+    )
+    # -- resilience
+    retry: RetrySettings = section(RetrySettings)
+    breaker: BreakerSettings = section(BreakerSettings)
+    health: HealthSettings = section(HealthSettings)
+    admission: AdmissionSettings = section(AdmissionSettings)
+    # -- security
+    api_key: str | None = setting(
+        None,
+        Flag(
+            "--api-key",
+            Group.SECURITY,
+            "require 'Authorization: Bearer KEY' on every route but /health, /liveness and"
+            " /readiness",
+        ),
+    )
+    upstream_api_key: str | None = setting(
+        None,
+        Flag(
+            "--upstream-api-key",
+            Group.SECURITY,
+            "send 'Authorization: Bearer KEY' to upstreams instead of the client's header",
+        ),
+    )
+    # -- observability
+    log_level: str = setting(
+        "info",
+        Flag(
+            "--log-level",
+            Group.OBSERVABILITY,
+            "info: one access line per request; debug: also every routing decision"
+            " (stage=... max_load=... min_load=... is_unbalanced=...)",
+            choices=LOG_LEVELS,
+        ),
+    )
+    prometheus_host: str | None = setting(
+        None,
+        Flag(
+            "--prometheus-host",
+            Group.OBSERVABILITY,
+            "also serve /metrics on a separate listener here",
+        ),
+    )
+    prometheus_port: int | None = setting(
+        None,
+        Flag(
+            "--prometheus-port",
+            Group.OBSERVABILITY,
+            "port of the separate /metrics listener",
+            type=int,
+        ),
+    )
+    #: Seconds between scrapes of each upstream's ``/metrics`` (engine truth); 0 = off.
+    engine_metrics_interval: float = setting(
+        1.0,
+        Flag(
+            "--engine-metrics-interval",
+            Group.OBSERVABILITY,
+            "scrape each upstream's /metrics this often and compare the engines' running and"
+            " waiting requests with the router's load ('engine' and 'drift' in /get_loads,"
+            " trio_pdrouter_load_drift); 0 turns it off",
+            type=float,
+            metavar="SECS",
+        ),
+        check=must(lambda s: s >= 0, "must be 0 (off) or a positive number"),  # refuses NaN
+    )
+
+    def __attrs_post_init__(self) -> None:
+        """The checks that involve several fields: which upstreams the mode needs."""
+        if self.pd:
+            if not self.prefill_urls or not self.decode_urls:
+                raise ConfigError(
+                    "--vllm-pd-disaggregation needs at least one --prefill and one --decode URL"
+                )
+            if self.worker_urls:
+                raise ConfigError("--worker-urls cannot be combined with --vllm-pd-disaggregation")
+        elif not self.worker_urls:
+            if self.prefill_urls or self.decode_urls:
+                raise ConfigError("--prefill/--decode need --vllm-pd-disaggregation")
+            raise ConfigError(
+                "no upstream: give --worker-urls URL..., or --vllm-pd-disaggregation with"
+                " --prefill URL and --decode URL"
+            )
 
     def stage_policy(self, role: Role) -> str:
         if role is Role.PREFILL and self.prefill_policy:
@@ -151,51 +333,3 @@ class RouterConfig:
     def endpoints(self) -> dict[Role, tuple[Endpoint, ...]]:
         """Every endpoint per role, DP ranks expanded."""
         return {role: expand(urls, role, self.dp_size) for role, urls in self.servers().items()}
-
-    def validate(self) -> RouterConfig:
-        """Raise :class:`ConfigError` for settings that cannot work; return self."""
-        if self.pd:
-            if not self.prefill_urls or not self.decode_urls:
-                raise ConfigError(
-                    "--vllm-pd-disaggregation needs at least one --prefill and one --decode URL"
-                )
-            if self.worker_urls:
-                raise ConfigError("--worker-urls cannot be combined with --vllm-pd-disaggregation")
-        elif not self.worker_urls:
-            if self.prefill_urls or self.decode_urls:
-                raise ConfigError("--prefill/--decode need --vllm-pd-disaggregation")
-            raise ConfigError(
-                "no upstream: give --worker-urls URL..., or --vllm-pd-disaggregation with"
-                " --prefill URL and --decode URL"
-            )
-        if self.dp_size < 1:
-            raise ConfigError("--intra-node-data-parallel-size must be at least 1")
-        for name in (self.policy, self.prefill_policy, self.decode_policy):
-            if name is not None and name not in POLICY_NAMES:
-                raise ConfigError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
-        s = self.policy_settings
-        if not 0.0 <= s.cache_threshold <= 1.0:
-            raise ConfigError("--cache-threshold must be between 0.0 and 1.0")
-        if s.max_tree_size < 1:
-            raise ConfigError("--max-tree-size must be positive")
-        if self.kv_connector not in KV_CONNECTORS:
-            raise ConfigError(
-                f"--kv-connector {self.kv_connector!r} is not supported; choose from"
-                f" {', '.join(KV_CONNECTORS)}"
-            )
-        if self.transport not in TRANSPORTS:
-            raise ConfigError(f"--upstream-transport must be one of {', '.join(TRANSPORTS)}")
-        if self.max_payload_size < 1:
-            raise ConfigError("--max-payload-size must be positive")
-        t = self.timeouts
-        if min(t.request, t.connect, t.prefill_limit, t.first_byte_limit, t.idle_limit) <= 0:
-            raise ConfigError("timeouts must be positive")
-        if self.retry.max_retries < 1:
-            raise ConfigError("--retry-max-retries must be at least 1 (1 = no retry)")
-        if not self.engine_metrics_interval >= 0:  # also refuses NaN
-            raise ConfigError("--engine-metrics-interval must be 0 (off) or a positive number")
-        try:
-            self.endpoints()
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        return self

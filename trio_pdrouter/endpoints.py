@@ -42,11 +42,17 @@ class Endpoint:
 def normalize_url(url: str) -> str:
     """Validate an upstream base URL and strip a trailing slash.
 
+    The one check of upstream URLs: the command line and ``POST /workers`` both come here.
     Raises ``ValueError`` with a message fit for a command-line user.
     """
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https"):
-        raise ValueError(f"{url!r}: the URL must start with http:// or https://")
+    if parts.scheme == "https":
+        raise ValueError(
+            f"{url!r}: https upstreams are not supported yet: the upstream transport speaks"
+            " plain HTTP; use http://"
+        )
+    if parts.scheme != "http":
+        raise ValueError(f"{url!r}: the URL must start with http://")
     if not parts.hostname:
         raise ValueError(f"{url!r}: the URL has no host")
     try:

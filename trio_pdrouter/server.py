@@ -192,7 +192,6 @@ async def run_router(
     task_status: trio.TaskStatus[RunningRouter] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until ``shutdown_trigger`` returns (or forever); report a :class:`RunningRouter`."""
-    config.validate()
     close_connections_when_clients_leave()
     async with make_client(config) as client, trio.open_nursery() as nursery:
         app = build_app(config, client, nursery)

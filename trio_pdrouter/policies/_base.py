@@ -13,6 +13,7 @@ from typing import Protocol
 import attrs
 
 from ..endpoints import Endpoint
+from ..flags import Flag, Group, must, positive, setting
 
 
 @attrs.frozen
@@ -32,13 +33,57 @@ class RoutingKey:
 
 @attrs.frozen
 class PolicySettings:
-    """Tunables of the policies, with vllm-router's defaults."""
+    """Tunables of the policies, with vllm-router's defaults and their flags."""
 
-    cache_threshold: float = 0.3
-    balance_abs_threshold: int = 64
-    balance_rel_threshold: float = 1.5
-    eviction_interval_secs: float = 120.0
-    max_tree_size: int = 2**25
+    cache_threshold: float = setting(
+        0.3,
+        Flag(
+            "--cache-threshold",
+            Group.ROUTING_POLICY,
+            "cache_aware: use the best prefix match when it covers more than this share of the"
+            " request text (0.0-1.0)",
+            type=float,
+        ),
+        check=must(lambda t: 0.0 <= t <= 1.0, "must be between 0.0 and 1.0"),
+    )
+    balance_abs_threshold: int = setting(
+        64,
+        Flag(
+            "--balance-abs-threshold",
+            Group.ROUTING_POLICY,
+            "cache_aware: loads are unbalanced (pick the least loaded) when max-min exceeds this"
+            " AND max > min * --balance-rel-threshold",
+            type=int,
+        ),
+    )
+    balance_rel_threshold: float = setting(
+        1.5,
+        Flag(
+            "--balance-rel-threshold",
+            Group.ROUTING_POLICY,
+            "cache_aware: see --balance-abs-threshold",
+            type=float,
+        ),
+    )
+    eviction_interval_secs: float = setting(
+        120.0,
+        Flag(
+            "--eviction-interval-secs",
+            Group.ROUTING_POLICY,
+            "cache_aware: seconds between prefix-tree evictions",
+            type=float,
+        ),
+    )
+    max_tree_size: int = setting(
+        2**25,
+        Flag(
+            "--max-tree-size",
+            Group.ROUTING_POLICY,
+            "cache_aware: characters each endpoint may keep in the prefix tree",
+            type=int,
+        ),
+        check=positive,
+    )
     virtual_nodes: int = 160
 
 
