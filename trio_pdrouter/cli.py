@@ -1,8 +1,9 @@
 """``trio-pdrouter``: the command line, flag for flag compatible with vllm-router.
 
 A vllm-router launch command works with only the program name changed. Flags of vllm-router that
-trio-pdrouter does not implement (service discovery, WASM middleware, KV events, ...) are
-rejected by name rather than silently ignored.
+trio-pdrouter does not implement (service discovery, WASM middleware, KV events, ...) parse, and
+the router then exits 2 with one message naming each of them with the alternative, rather than
+ignoring them silently.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def parse_config(argv: Sequence[str] | None = None) -> RouterConfig:
     try:
         return flags.build(RouterConfig, args)
     except ConfigError as exc:
-        parser.error(str(exc))
+        # Not parser.error(): the usage would bury the one message that matters.
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
 
 
 def configure_logging(level: str) -> None:

@@ -25,6 +25,15 @@ from .settings import (
     ServerSettings,
     Timeouts,
 )
+from .unsupported import (
+    KV_EVENTS,
+    NOT_YET,
+    OTHER_CONNECTORS,
+    STICKY_LEAST_LOADED,
+    DiscoverySettings,
+    ExtensionSettings,
+    KvEventSettings,
+)
 
 __all__ = [
     "AdmissionSettings",
@@ -40,6 +49,8 @@ __all__ = [
 KV_CONNECTORS = ("nixl", "p2p_nccl")
 TRANSPORTS = ("h11", "httpx")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+#: vllm-router's policies that trio-pdrouter does not have, with the reason and the alternative.
+REFUSED_POLICIES = {"kv_aware": KV_EVENTS, "sticky_least_loaded": STICKY_LEAST_LOADED}
 
 
 def _upstream_urls(instance: Any, field: attrs.Attribute[Any], urls: tuple[str, ...]) -> None:
@@ -139,6 +150,7 @@ class RouterConfig:
             "vLLM KV connector: nixl (pull-based), or p2p_nccl (request ids carry both"
             " peers' addresses)",
             choices=KV_CONNECTORS,
+            refused_choices={"mooncake": OTHER_CONNECTORS, "moriio": OTHER_CONNECTORS},
         ),
     )
     transport: str = setting(
@@ -154,7 +166,13 @@ class RouterConfig:
     # -- routing policy
     policy: str = setting(
         "cache_aware",
-        Flag("--policy", Group.ROUTING_POLICY, "policy of every stage", choices=POLICY_NAMES),
+        Flag(
+            "--policy",
+            Group.ROUTING_POLICY,
+            "policy of every stage",
+            choices=POLICY_NAMES,
+            refused_choices=REFUSED_POLICIES,
+        ),
     )
     prefill_policy: str | None = setting(
         None,
@@ -163,6 +181,7 @@ class RouterConfig:
             Group.ROUTING_POLICY,
             "override --policy for prefill",
             choices=POLICY_NAMES,
+            refused_choices=REFUSED_POLICIES,
         ),
     )
     decode_policy: str | None = setting(
@@ -172,6 +191,7 @@ class RouterConfig:
             Group.ROUTING_POLICY,
             "override --policy for decode",
             choices=POLICY_NAMES,
+            refused_choices=REFUSED_POLICIES,
         ),
     )
     policy_settings: PolicySettings = section(PolicySettings)
@@ -201,7 +221,7 @@ class RouterConfig:
         ),
     )
     request_id_headers: tuple[str, ...] = setting(
-        ("x-request-id", "x-correlation-id", "x-trace-id"),
+        ("x-request-id", "x-correlation-id", "x-trace-id", "request-id"),
         Flag(
             "--request-id-headers",
             Group.REQUESTS,
@@ -249,6 +269,18 @@ class RouterConfig:
             " /readiness",
         ),
     )
+    cors_allowed_origins: tuple[str, ...] = setting(
+        (),
+        Flag(
+            "--cors-allowed-origins",
+            Group.SECURITY,
+            "origins browsers may call the router from (CORS headers and preflight answers)",
+            nargs="*",
+            metavar="ORIGIN",
+            parse=tuple,
+            refused=NOT_YET,
+        ),
+    )
     upstream_api_key: str | None = setting(
         None,
         Flag(
@@ -266,6 +298,15 @@ class RouterConfig:
             "info: one access line per request; debug: also every routing decision"
             " (stage=... max_load=... min_load=... is_unbalanced=...)",
             choices=LOG_LEVELS,
+        ),
+    )
+    log_dir: str | None = setting(
+        None,
+        Flag(
+            "--log-dir",
+            Group.OBSERVABILITY,
+            "also write the log to a file in this directory",
+            refused=NOT_YET,
         ),
     )
     prometheus_host: str | None = setting(
@@ -299,6 +340,10 @@ class RouterConfig:
         ),
         check=must(lambda s: s >= 0, "must be 0 (off) or a positive number"),  # refuses NaN
     )
+    # -- vllm-router flags for what is not implemented (see trio_pdrouter.unsupported)
+    discovery: DiscoverySettings = section(DiscoverySettings)
+    kv_events: KvEventSettings = section(KvEventSettings)
+    extensions: ExtensionSettings = section(ExtensionSettings)
 
     def __attrs_post_init__(self) -> None:
         """The checks that involve several fields: which upstreams the mode needs."""

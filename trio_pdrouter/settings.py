@@ -8,6 +8,7 @@ from __future__ import annotations
 import attrs
 
 from .flags import Flag, Group, Switch, must, positive, setting
+from .unsupported import NOT_YET
 
 
 @attrs.frozen
@@ -266,6 +267,26 @@ class HealthSettings:
             type=int,
         ),
     )
+    startup_timeout_secs: float = setting(
+        600.0,
+        Flag(
+            "--worker-startup-timeout-secs",
+            Group.RESILIENCE,
+            "at start, wait this long for every configured server to answer its health check",
+            type=float,
+            refused=NOT_YET,
+        ),
+    )
+    startup_check_interval: float = setting(
+        30.0,
+        Flag(
+            "--worker-startup-check-interval",
+            Group.RESILIENCE,
+            "seconds between health checks while waiting for the servers at start",
+            type=float,
+            refused=NOT_YET,
+        ),
+    )
 
 
 @attrs.frozen
@@ -296,4 +317,16 @@ class AdmissionSettings:
             "longest wait in the queue (then 408)",
             type=float,
         ),
+    )
+    rate_limit_tokens_per_second: int | None = setting(
+        None,
+        Flag(
+            "--rate-limit-tokens-per-second",
+            Group.RESILIENCE,
+            "admit at most this many requests per second on average (a token bucket of"
+            " --max-concurrent-requests tokens); beyond it, 429 with Retry-After",
+            type=int,
+            refused=NOT_YET,
+        ),
+        check=positive,
     )
