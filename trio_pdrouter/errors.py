@@ -18,6 +18,8 @@ class RouterError:
     message: str
     type: str
     param: str | None = None
+    #: Seconds for a ``Retry-After`` header (every 429 the router produces has one).
+    retry_after: int | None = None
 
     def payload(self) -> dict[str, object]:
         return {
@@ -65,8 +67,10 @@ def unsupported_media_type(content_type: str) -> RouterError:
     )
 
 
-def too_many_requests(message: str = "the router's admission queue is full") -> RouterError:
-    return RouterError(429, message, "rate_limit_error")
+def too_many_requests(
+    message: str = "the router's admission queue is full", retry_after: int = 1
+) -> RouterError:
+    return RouterError(429, message, "rate_limit_error", retry_after=max(1, retry_after))
 
 
 def internal(message: str) -> RouterError:

@@ -16,10 +16,11 @@ import orjson
 import trio
 
 from . import logprobs, outcomes, pd
-from .asgi import Reply
+from .asgi import JSON, Reply
 from .endpoints import Endpoint
 from .outcomes import LegFailure
 from .request import Attempt, Request
+from .response_headers import passed_on, with_default
 
 
 @attrs.frozen
@@ -139,11 +140,9 @@ class BufferedDecode:
                 return req.record_failure(outcomes.invalid(call.stage, ep, "answer is not JSON"))
             content = orjson.dumps(merged)
         req.record_success(ep)
-        ctype = resp.headers.get("content-type", "application/json").encode()
-        return Reply(200, [(b"content-type", ctype)], content)
+        return Reply(200, with_default(passed_on(resp.headers), b"content-type", JSON), content)
 
 
 def status_failure(stage: str, ep: Endpoint, resp: httpx.Response, body: bytes) -> LegFailure:
     """The engine answered ``resp.status_code`` (not 200) with ``body``."""
-    ctype = resp.headers.get("content-type", "application/json")
-    return outcomes.status(stage, ep, resp.status_code, ctype, body)
+    return outcomes.status(stage, ep, resp.status_code, passed_on(resp.headers), body)

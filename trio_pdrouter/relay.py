@@ -20,10 +20,11 @@ import httpx
 import trio
 
 from . import outcomes
-from .asgi import Reply
+from .asgi import Headers, Reply
 from .legs import UpstreamCall, status_failure
 from .outcomes import LegFailure
 from .request import Attempt, Request
+from .response_headers import passed_on, with_default
 from .sse import EventFramer
 
 
@@ -76,16 +77,17 @@ class RelayBuffer:
 class _Head:
     """How the decode upstream answered, handed from the reader to the writer."""
 
-    __slots__ = ("content_type", "failure", "ready")
+    __slots__ = ("failure", "headers", "ready")
 
     def __init__(self) -> None:
         self.ready = trio.Event()
-        self.content_type = b"text/event-stream"
+        #: The upstream's response headers that the client gets.
+        self.headers: Headers = ()
         #: Set when the leg ended before streaming started.
         self.failure: LegFailure | None = None
 
-    def open(self, content_type: bytes) -> None:
-        self.content_type = content_type
+    def open(self, headers: Headers) -> None:
+        self.headers = headers
         self.ready.set()
 
     def fail(self, failure: LegFailure) -> None:
@@ -130,14 +132,8 @@ class DecodeRelay:
                 return head.failure
             # Stepped before the send: once it is under way the client may have the head.
             req.stream_started()
-            await req.down.start(
-                200,
-                [
-                    (b"content-type", head.content_type),
-                    (b"cache-control", b"no-cache"),
-                    *attempt.routing_headers(),
-                ],
-            )
+            headers = with_default(head.headers, b"cache-control", b"no-cache")
+            await req.down.start(200, [*headers, *attempt.routing_headers()])
             while (data := await buffer.take()) is not None:
                 await req.down.chunk(data)
         return buffer.failure or Reply.tail()
@@ -207,8 +203,9 @@ class DecodeRelay:
             return
         if self._release_at_headers:
             attempt.lease.release(ep)  # the historic bug, reproducible on purpose in tests only
-        content_type = resp.headers.get("content-type", "text/event-stream").encode()
-        head.open(content_type)
+        headers = with_default(passed_on(resp.headers), b"content-type", b"text/event-stream")
+        head.open(headers)
+        content_type = next(value for name, value in headers if name == b"content-type")
         if not content_type.startswith(b"text/event-stream"):
             async for chunk in resp.aiter_raw():
                 buffer.put(chunk)
