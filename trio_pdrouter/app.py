@@ -30,14 +30,14 @@ from .policies.routing_key import routing_key
 from .proxy import Proxy
 from .record import RequestRecord, access_line
 from .request import Inference
+from .routes import ROUTES, Route
 from .routing import Routing
 
 log = logging.getLogger("trio_pdrouter.access")
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-INFERENCE_ROUTES = ("/v1/completions", "/v1/chat/completions")
-OPEN_ROUTES = frozenset({"/health", "/liveness", "/readiness"})
+OPEN_ROUTES = frozenset({"/health", "/healthcheck", "/liveness", "/readiness"})
 WORKER_PREFIX = "/workers/"
 #: orjson parses JSON nested ~1000 deep but serialises only 255 levels; no OpenAI request nests
 #: beyond a handful, so anything deeper is refused before it is charged or forwarded.
@@ -84,6 +84,7 @@ class RouterApp:
         self.engine_truth = engine_truth
         self.routes: dict[str, dict[str, Handler]] = {
             "/health": {"GET": self._health},
+            "/healthcheck": {"GET": self._health},  # vLLM's PD proxy example serves this one
             "/liveness": {"GET": self._health},
             "/readiness": {"GET": self._readiness},
             "/get_loads": {"GET": self._get_loads},
@@ -91,7 +92,7 @@ class RouterApp:
             "/v1/models": {"GET": self._models},
             "/metrics": {"GET": self._metrics},
         }
-        for path in INFERENCE_ROUTES:
+        for path in ROUTES:
             self.routes[path] = {"POST": self._inference}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -169,13 +170,14 @@ class RouterApp:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise BadRequest(errors.bad_request(f"request body is not valid JSON: {exc}")) from None
-        path: str = scope["path"]
-        _validate(path, body)
+        route = ROUTES[scope["path"]]
+        _validate(route, body)
         if _nested_deeper_than(body, MAX_JSON_DEPTH):
             raise BadRequest(errors.bad_request(f"JSON nested deeper than {MAX_JSON_DEPTH} levels"))
         stream = body.get("stream", False)
         return Inference(
-            path=path,
+            path=route.path,
+            route=route,
             body=body,
             headers=headers,
             stream=stream,
@@ -286,15 +288,16 @@ def _nested_deeper_than(value: Any, limit: int) -> bool:
     return False
 
 
-def _validate(path: str, body: Any) -> None:
+def _validate(route: Route, body: Any) -> None:
     if not isinstance(body, dict):
         raise BadRequest(errors.bad_request("request body must be a JSON object"))
-    if path == "/v1/chat/completions":
+    if "messages" in route.required:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest(errors.bad_request("'messages' must be a non-empty list", "messages"))
-    elif "prompt" not in body or body["prompt"] in (None, "", []):
-        raise BadRequest(errors.bad_request("'prompt' is required", "prompt"))
+    for name in route.required:
+        if body.get(name) in (None, "", [], {}):
+            raise BadRequest(errors.bad_request(f"'{name}' is required", name))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(errors.bad_request("'stream' must be a boolean", "stream"))

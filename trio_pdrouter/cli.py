@@ -29,8 +29,11 @@ Regular mode: trio-pdrouter --worker-urls URL [URL ...]
 """
 
 EPILOG = """\
-routes: POST /v1/completions, POST /v1/chat/completions (streaming or not); GET /v1/models,
-/health, /liveness, /readiness, /get_loads (the load ledger), /workers, /metrics.
+routes: POST /v1/completions, /v1/chat/completions, /v1/responses, /inference/v1/generate
+(generation, streaming or not; split in PD mode); POST /v1/rerank, /rerank, /tokenize,
+/detokenize, /v1/embeddings, /pooling, /score, /v1/score, /classify (to one server); GET
+/v1/models, /health, /healthcheck, /liveness, /readiness, /get_loads (the load ledger), /workers,
+/metrics.
 """
 
 

@@ -265,8 +265,8 @@ class RouterConfig:
         Flag(
             "--api-key",
             Group.SECURITY,
-            "require 'Authorization: Bearer KEY' on every route but /health, /liveness and"
-            " /readiness",
+            "require 'Authorization: Bearer KEY' on every route but /health, /healthcheck,"
+            " /liveness and /readiness",
         ),
     )
     cors_allowed_origins: tuple[str, ...] = setting(

@@ -73,7 +73,12 @@ class PrefillLeg:
         ep = attempt.prefill
         assert ep is not None
         call = UpstreamCall.build(
-            req, attempt, ep, pd.prefill_body(req.inf.body), self._upstream_api_key, "prefill"
+            req,
+            attempt,
+            ep,
+            pd.prefill_body(req.inf.body, req.inf.path),
+            self._upstream_api_key,
+            "prefill",
         )
         req.prefill_sent()
         try:

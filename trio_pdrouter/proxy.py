@@ -159,10 +159,12 @@ class Proxy:
         """Choose and charge the attempt's endpoints (synchronously: no checkpoint)."""
         key = req.inf.key
         prefill = None
-        if self._config.pd:
-            lease, prefill, decode = self._routing.lease_pd(key, avoid_urls)
-        else:
+        if not self._config.pd:
             lease, decode = self._routing.lease_one(Role.REGULAR, key, avoid_urls)
+        elif req.inf.route.split:
+            lease, prefill, decode = self._routing.lease_pd(key, avoid_urls)
+        else:  # nothing to generate, nothing to split: one decode server takes it whole
+            lease, decode = self._routing.lease_one(Role.DECODE, key, avoid_urls)
         rid = req.inf.request_id
         if prefill is not None and self._config.kv_connector == "p2p_nccl":
             rid = pd.p2p_nccl_request_id(prefill, decode)

@@ -217,7 +217,7 @@ class DecodeRelay:
             data = framer.feed(chunk)
             if data:
                 buffer.put(data)
-        if framer.pending or not framer.saw_done:
+        if framer.pending or (req.inf.route.ends_with_done and not framer.saw_done):
             failure = outcomes.invalid(call.stage, ep, "stream ended without [DONE]")
             buffer.close(req.record_failure(failure))
         else:

@@ -26,6 +26,7 @@ from .load import Lease
 from .outcomes import LegFailure, Verdict
 from .policies import RoutingKey
 from .record import RequestRecord
+from .routes import Route
 
 
 @attrs.frozen
@@ -33,6 +34,7 @@ class Inference:
     """A parsed and validated client request."""
 
     path: str
+    route: Route
     body: dict[str, Any]
     headers: Mapping[str, str]
     stream: bool
