@@ -71,7 +71,11 @@ def configure_logging(level: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     from .server import run_router, wait_for_signal
+    from .startup import StartupTimeout
 
     config = parse_config(argv)
     configure_logging(config.log_level)
-    trio.run(lambda: run_router(config, shutdown_trigger=wait_for_signal))
+    try:
+        trio.run(lambda: run_router(config, shutdown_trigger=wait_for_signal))
+    except StartupTimeout as exc:
+        sys.exit(f"trio-pdrouter: {exc}")

@@ -20,6 +20,7 @@ from .admission import Admission
 from .app import RouterApp
 from .breaker import Breakers
 from .config import RouterConfig
+from .endpoints import normalize_url
 from .engine_truth import EngineTruth
 from .fleet import Fleet
 from .health import HealthBoard
@@ -30,6 +31,7 @@ from .policies import make_policy
 from .proxy import Proxy
 from .relay import DecodeRelay
 from .routing import Routing
+from .startup import wait_until_healthy
 from .stranded import KvReclaimer
 from .upstream import make_client, stream_timeout
 
@@ -191,36 +193,54 @@ async def run_router(
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     task_status: trio.TaskStatus[RunningRouter] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until ``shutdown_trigger`` returns (or forever); report a :class:`RunningRouter`."""
+    """Serve until ``shutdown_trigger`` returns (or forever); report a :class:`RunningRouter`.
+
+    First waits for the configured servers to be healthy (:mod:`.startup`); raises
+    :class:`~.startup.StartupTimeout` when they are not in time.
+    """
     close_connections_when_clients_leave()
-    async with make_client(config) as client, trio.open_nursery() as nursery:
-        app = build_app(config, client, nursery)
-        nursery.start_soon(
-            _maintain_policies, app.routing, config.policy_settings.eviction_interval_secs
+    async with make_client(config) as client:
+        urls = [url for urls in config.servers().values() for url in urls]
+        await wait_until_healthy(client, [normalize_url(url) for url in urls], config.health)
+        async with trio.open_nursery() as nursery:
+            await _run(config, client, nursery, shutdown_trigger, task_status)
+
+
+async def _run(
+    config: RouterConfig,
+    client: httpx.AsyncClient,
+    nursery: trio.Nursery,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None,
+    task_status: trio.TaskStatus[RunningRouter],
+) -> None:
+    """The router over ``client``, its background work in ``nursery``, until shutdown."""
+    app = build_app(config, client, nursery)
+    nursery.start_soon(
+        _maintain_policies, app.routing, config.policy_settings.eviction_interval_secs
+    )
+    if app.engine_truth is not None:
+        nursery.start_soon(app.engine_truth.run)
+    if config.health.interval_secs > 0:
+        await nursery.start(app.health.run, client)
+    metrics_url = None
+    if config.prometheus_port is not None:
+        metrics_binds: list[str] = await nursery.start(
+            _serve_metrics, config, config.prometheus_port, app.metrics
         )
-        if app.engine_truth is not None:
-            nursery.start_soon(app.engine_truth.run)
-        if config.health.interval_secs > 0:
-            await nursery.start(app.health.run, client)
-        metrics_url = None
-        if config.prometheus_port is not None:
-            metrics_binds: list[str] = await nursery.start(
-                _serve_metrics, config, config.prometheus_port, app.metrics
-            )
-            metrics_url = metrics_binds[0]
+        metrics_url = metrics_binds[0]
 
-        async def _serve(task_status: trio.TaskStatus[list[str]]) -> None:
-            await serve(
-                cast(Framework, app),
-                hypercorn_config(config),
-                shutdown_trigger=shutdown_trigger,
-                task_status=task_status,
-            )
-            nursery.cancel_scope.cancel()
+    async def _serve(task_status: trio.TaskStatus[list[str]]) -> None:
+        await serve(
+            cast(Framework, app),
+            hypercorn_config(config),
+            shutdown_trigger=shutdown_trigger,
+            task_status=task_status,
+        )
+        nursery.cancel_scope.cancel()
 
-        binds: list[str] = await nursery.start(_serve)
-        log.info("listening=%s mode=%s", binds[0], "pd" if config.pd else "regular")
-        task_status.started(RunningRouter(binds[0], app.ledger, app, metrics_url))
+    binds: list[str] = await nursery.start(_serve)
+    log.info("listening=%s mode=%s", binds[0], "pd" if config.pd else "regular")
+    task_status.started(RunningRouter(binds[0], app.ledger, app, metrics_url))
 
 
 async def _serve_metrics(

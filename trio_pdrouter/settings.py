@@ -272,10 +272,11 @@ class HealthSettings:
         Flag(
             "--worker-startup-timeout-secs",
             Group.RESILIENCE,
-            "at start, wait this long for every configured server to answer its health check",
+            "at start, wait this long for every configured server to answer its health check;"
+            " then exit 1 naming those that did not (0: start without waiting)",
             type=float,
-            refused=NOT_YET,
         ),
+        check=must(lambda s: s >= 0, "must be 0 (no wait) or a positive number"),
     )
     startup_check_interval: float = setting(
         30.0,
@@ -284,8 +285,8 @@ class HealthSettings:
             Group.RESILIENCE,
             "seconds between health checks while waiting for the servers at start",
             type=float,
-            refused=NOT_YET,
         ),
+        check=positive,
     )
 
 
