@@ -19,6 +19,7 @@ import trio
 from . import errors, pd
 from .asgi import Downstream, Receive, Reply, Scope, Send, answer_lifespan
 from .config import RouterConfig
+from .cors import Cors, origin_of
 from .endpoints import Role
 from .engine_truth import EngineTruth
 from .errors import RouterError
@@ -72,6 +73,7 @@ class RouterApp:
         engine_truth: EngineTruth | None,
     ) -> None:
         self._config = config
+        self._cors = Cors(config.cors_allowed_origins)
         self.fleet = fleet
         self.routing = routing
         self.ledger = ledger
@@ -101,6 +103,12 @@ class RouterApp:
             return
         if scope["type"] != "http":
             return
+        origin = origin_of(scope)
+        if origin is not None:  # a browser: answer its preflight, or add CORS headers
+            if self._cors.is_preflight(scope):
+                await _reply(send, self._cors.preflight(origin))
+                return
+            send = self._cors.on_response(origin, send)
         path: str = scope["path"]
         methods = self.routes.get(path)
         if methods is None and path.startswith(WORKER_PREFIX):

@@ -27,7 +27,6 @@ from .settings import (
 )
 from .unsupported import (
     KV_EVENTS,
-    NOT_YET,
     OTHER_CONNECTORS,
     STICKY_LEAST_LOADED,
     DiscoverySettings,
@@ -274,11 +273,11 @@ class RouterConfig:
         Flag(
             "--cors-allowed-origins",
             Group.SECURITY,
-            "origins browsers may call the router from (CORS headers and preflight answers)",
+            "origins browsers may call the router from (CORS headers and preflight answers);"
+            " none given: any origin, as in vllm-router",
             nargs="*",
             metavar="ORIGIN",
             parse=tuple,
-            refused=NOT_YET,
         ),
     )
     upstream_api_key: str | None = setting(
