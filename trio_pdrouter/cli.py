@@ -9,7 +9,6 @@ ignoring them silently.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 
@@ -18,6 +17,7 @@ import trio
 from . import __version__, flags
 from .config import RouterConfig
 from .flags import ConfigError
+from .log_files import configure_logging
 
 DESCRIPTION = """\
 A vLLM router for prefill/decode (PD) disaggregated serving and plain load balancing, built on
@@ -61,20 +61,12 @@ def parse_config(argv: Sequence[str] | None = None) -> RouterConfig:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     from .server import run_router, wait_for_signal
     from .startup import StartupTimeout
 
     config = parse_config(argv)
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_dir)
     try:
         trio.run(lambda: run_router(config, shutdown_trigger=wait_for_signal))
     except StartupTimeout as exc:

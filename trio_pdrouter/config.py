@@ -304,8 +304,7 @@ class RouterConfig:
         Flag(
             "--log-dir",
             Group.OBSERVABILITY,
-            "also write the log to a file in this directory",
-            refused=NOT_YET,
+            "also write the log to <dir>/trio-pdrouter.<YYYY-MM-DD>, a file per UTC day",
         ),
     )
     prometheus_host: str | None = setting(
