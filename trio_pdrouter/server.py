@@ -29,6 +29,7 @@ from .load import LoadLedger
 from .metrics import MetricsApp, RouterMetrics
 from .policies import make_policy
 from .proxy import Proxy
+from .rate_limit import TokenBucket
 from .relay import DecodeRelay
 from .routing import Routing
 from .startup import wait_until_healthy
@@ -134,7 +135,11 @@ def build_app(
             fleet.add(url, role, serving=True)
     metrics.watch_ledger(ledger, fleet.endpoints())
 
-    admission = Admission(config.admission)
+    rate = config.admission.rate_limit_tokens_per_second
+    bucket = None
+    if rate is not None:
+        bucket = TokenBucket(config.admission.max_concurrent_requests, rate, trio.current_time())
+    admission = Admission(config.admission, bucket)
     metrics.watch_admission(lambda: admission.queued)
     t = config.timeouts
     proxy = Proxy(

@@ -8,7 +8,6 @@ from __future__ import annotations
 import attrs
 
 from .flags import Flag, Group, Switch, must, positive, setting
-from .unsupported import NOT_YET
 
 
 @attrs.frozen
@@ -327,7 +326,6 @@ class AdmissionSettings:
             "admit at most this many requests per second on average (a token bucket of"
             " --max-concurrent-requests tokens); beyond it, 429 with Retry-After",
             type=int,
-            refused=NOT_YET,
         ),
         check=positive,
     )

@@ -44,9 +44,6 @@ WASM = (
     "WASM middleware is not implemented; put request middleware in a proxy in front of the router"
 )
 
-#: vllm-router features that will be implemented in this version; until then they are refused.
-NOT_YET = "not implemented yet; leave it out"
-
 
 def _tuple(values: list[str] | None) -> tuple[str, ...]:
     return tuple(values or ())
