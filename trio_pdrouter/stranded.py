@@ -72,6 +72,6 @@ class KvReclaimer:
                 ) as resp:
                     async for _ in resp.aiter_raw():
                         break  # the first event means the KV blocks were pulled
-            except httpx.HTTPError as exc:
+            except Exception as exc:  # background work: log and end, never take the router down
                 log.info("stranded_kv endpoint=%s error=%s", ep.key, type(exc).__name__)
         self._on_reclaim(ep)
