@@ -147,6 +147,16 @@ class RouterApp:
             if inference is None:  # the client left while sending its body: nobody to answer
                 return
             record = await self.proxy.handle(inference, receive, send)
+        self._account(record)
+
+    def account_unfinished(self) -> None:
+        """Log and count every request still in flight, as it stands (the process is about
+        to exit without them finishing)."""
+        for req in list(self.proxy.in_flight):
+            self._account(req.record())
+
+    def _account(self, record: RequestRecord) -> None:
+        """One access line and the metrics of one request."""
         if log.isEnabledFor(logging.INFO):
             log.info("%s", access_line(record))
         self.metrics.observe_request(record)

@@ -31,7 +31,9 @@ class ServerSettings:
         Flag(
             "--graceful-timeout-secs",
             Group.LISTENING,
-            "on SIGTERM/SIGINT, let in-flight requests finish for this long, then cancel them",
+            "on SIGTERM/SIGINT, stop accepting and let in-flight requests finish for this long;"
+            " then each stream ends with an error event (503) and [DONE], every other request"
+            " gets a 503, and the process exits within a second more whatever clients do",
             type=float,
         ),
     )
