@@ -101,6 +101,18 @@ class RouterApp:
         if scope["type"] != "http":
             return
         path: str = scope["path"]
+        key = self._config.api_key
+        # Before the route is looked up: without the key, every route answers 401 alike, so
+        # none can be told apart (enumerated) by its 404 or 405.
+        if key is not None and path not in OPEN_ROUTES and not _authorized(scope, key):
+            await _reply(send, Reply.error(errors.unauthorized()))
+            return
+        if _smuggling(scope):
+            # RFC 9112 §6.1: a message with both may be a request smuggled past a proxy that
+            # trusts Content-Length; refuse it and close the connection.
+            error = errors.bad_request("request has both Content-Length and Transfer-Encoding")
+            await _reply(send, Reply.error(error, [(b"connection", b"close")]))
+            return
         methods = self.routes.get(path)
         if methods is None and path.startswith(WORKER_PREFIX):
             methods = {"DELETE": self._remove_worker}
@@ -114,10 +126,6 @@ class RouterApp:
                 errors.method_not_allowed(scope["method"], path), [(b"allow", allow)]
             )
             await _reply(send, reply)
-            return
-        key = self._config.api_key
-        if key is not None and path not in OPEN_ROUTES and not _authorized(scope, key):
-            await _reply(send, Reply.error(errors.unauthorized()))
             return
         await handler(scope, receive, send)
 
@@ -337,10 +345,19 @@ def _headers(scope: Scope) -> dict[str, str]:
 
 
 def _authorized(scope: Scope, api_key: str) -> bool:
+    """``Authorization: Bearer KEY``; the scheme's name is case-insensitive (RFC 7235)."""
     for name, value in scope["headers"]:
         if name.lower() == b"authorization":
-            return hmac.compare_digest(value, b"Bearer " + api_key.encode())
+            scheme, _, token = value.partition(b" ")
+            return scheme.lower() == b"bearer" and hmac.compare_digest(
+                token.strip(b" "), api_key.encode()
+            )
     return False
+
+
+def _smuggling(scope: Scope) -> bool:
+    names = {name.lower() for name, _ in scope["headers"]}
+    return b"content-length" in names and b"transfer-encoding" in names
 
 
 async def _reply(send: Send, reply: Reply) -> None:

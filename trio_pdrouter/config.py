@@ -215,7 +215,7 @@ class RouterConfig:
     #: Bytes of decode output the router buffers for a client that reads slower than the engine
     #: writes; past it the client is treated as gone (the engine is aborted, the load released).
     max_buffered_bytes: int = setting(
-        16 * 1024 * 1024,
+        4 * 1024 * 1024,
         Flag(
             "--max-buffered-bytes",
             Group.REQUESTS,

@@ -206,15 +206,14 @@ class DecodeRelay:
             return
         if self._release_at_headers:
             attempt.lease.release(ep)  # the historic bug, reproducible on purpose in tests only
-        content_type = resp.headers.get("content-type", "text/event-stream").encode()
-        head.open(content_type)
-        if not content_type.startswith(b"text/event-stream"):
-            req.kv_taken()  # an answer, not a stream: the engine ran the request
-            async for chunk in resp.aiter_raw():
-                buffer.put(chunk)
-            buffer.close()
-            req.record_success(ep)
+        content_type = resp.headers.get("content-type", "text/event-stream")
+        if not content_type.startswith("text/event-stream"):
+            # Not a stream: the client asked for one, and an error event appended to it would
+            # not parse. A 502 before any byte instead.
+            failure = outcomes.invalid(call.stage, ep, f"a stream answered as {content_type}")
+            head.fail(req.record_failure(failure))
             return
+        head.open(content_type.encode())
         framer = EventFramer()
         taken = False
         async for chunk in resp.aiter_raw():
