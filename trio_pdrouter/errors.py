@@ -18,7 +18,8 @@ class RouterError:
     message: str
     type: str
     param: str | None = None
-    #: Seconds for a ``Retry-After`` header (every 429 the router produces has one).
+    #: Seconds for a ``Retry-After`` header (every 429 the router produces has one, and the
+    #: 503 of a shutdown).
     retry_after: int | None = None
 
     def payload(self) -> dict[str, object]:
@@ -83,6 +84,10 @@ def upstream_failed(stage: str, endpoint: str, detail: str) -> RouterError:
 
 def no_healthy_endpoint(stage: str) -> RouterError:
     return RouterError(503, f"no healthy {stage} endpoint is available", "service_unavailable")
+
+
+def shutting_down() -> RouterError:
+    return RouterError(503, "the router is shutting down", "service_unavailable", retry_after=1)
 
 
 def upstream_timeout(stage: str, endpoint: str, detail: str) -> RouterError:
