@@ -31,24 +31,23 @@ HOP_BY_HOP = frozenset(
     }
 )
 REPLACED = frozenset({b"content-length", b"date", b"server", b"x-request-id"})
+DROPPED = HOP_BY_HOP | REPLACED
 ROUTING_PREFIX = b"x-trio-pdrouter-"
 
 
 def passed_on(headers: httpx.Headers) -> list[tuple[bytes, bytes]]:
     """The headers of an upstream response that the client gets, names in lower case."""
-    named = {
-        token.strip().lower().encode("latin-1")
-        for value in headers.get_list("connection")
-        for token in value.split(",")
-    }
     out = []
-    for raw_name, value in headers.raw:
+    named: set[bytes] = set()
+    for raw_name, value in headers.raw:  # one pass: this runs once per response
         name = raw_name.lower()
-        if name in HOP_BY_HOP or name in REPLACED or name in named:
-            continue
-        if name.startswith(ROUTING_PREFIX):
+        if name in DROPPED or name.startswith(ROUTING_PREFIX):
+            if name == b"connection":
+                named.update(token.strip().lower() for token in value.split(b","))
             continue
         out.append((name, value))
+    if named:
+        out = [(name, value) for name, value in out if name not in named]
     return out
 
 
