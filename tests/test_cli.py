@@ -111,7 +111,7 @@ FLAGS_BEFORE = [
     "--health-failure-threshold", "--health-success-threshold", "--help", "--host",
     "--intra-node-data-parallel-size", "--keep-alive-timeout-secs", "--kv-connector",
     "--log-level", "--max-buffered-bytes", "--max-concurrent-requests", "--max-payload-size",
-    "--max-tree-size", "--no-release-stranded-kv", "--policy", "--port", "--prefill",
+    "--max-tree-size", "--max-upstream-answer-bytes", "--no-release-stranded-kv", "--policy", "--port", "--prefill",
     "--prefill-policy", "--prefill-timeout-secs", "--prometheus-host", "--prometheus-port",
     "--queue-size", "--queue-timeout-secs", "--release-decode-at-headers",
     "--release-stranded-kv", "--request-id-headers", "--request-timeout-secs",

@@ -243,6 +243,17 @@ class RouterConfig:
             type=int,
         ),
     )
+    max_upstream_answer_bytes: int = setting(
+        64 * 1024 * 1024,
+        Flag(
+            "--max-upstream-answer-bytes",
+            Group.REQUESTS,
+            "largest answer read from an engine in one piece (a prefill answer, a non-streaming"
+            " answer); past it the leg fails with a 502 instead of filling the router's memory",
+            type=int,
+        ),
+        check=positive,
+    )
     #: Test-only: reproduce the historic bug (decode load released when its headers arrive).
     release_decode_at_headers: bool = setting(
         False,

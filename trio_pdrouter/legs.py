@@ -21,6 +21,7 @@ from .endpoints import Endpoint
 from .outcomes import LegFailure
 from .request import Attempt, Request
 from .response_headers import passed_on, with_default
+from .upstream import AnswerTooLarge, post_capped
 
 
 @attrs.frozen
@@ -63,11 +64,13 @@ class PrefillLeg:
     """
 
     def __init__(
-        self, client: httpx.AsyncClient, limit: float, upstream_api_key: str | None
+        self, client: httpx.AsyncClient, limit: float, upstream_api_key: str | None, cap: int
     ) -> None:
         self._client = client
         self._limit = limit
         self._upstream_api_key = upstream_api_key
+        #: The largest answer read (``--max-upstream-answer-bytes``).
+        self._cap = cap
 
     async def run(self, req: Request, attempt: Attempt) -> dict[str, Any] | LegFailure:
         ep = attempt.prefill
@@ -83,7 +86,15 @@ class PrefillLeg:
         req.prefill_sent()
         try:
             with trio.move_on_after(self._limit) as scope:
-                resp = await self._client.post(call.url, content=call.content, headers=call.headers)
+                resp = await post_capped(
+                    self._client,
+                    call.url,
+                    content=call.content,
+                    headers=call.headers,
+                    cap=self._cap,
+                )
+        except AnswerTooLarge as exc:
+            return req.record_failure(outcomes.invalid("prefill", ep, str(exc)))
         except httpx.HTTPError as exc:
             return req.record_failure(outcomes.transport_failure("prefill", ep, exc))
         finally:
@@ -116,9 +127,11 @@ class BufferedDecode:
     merged into the answer (SPEC §6).
     """
 
-    def __init__(self, client: httpx.AsyncClient, limit: float) -> None:
+    def __init__(self, client: httpx.AsyncClient, limit: float, cap: int) -> None:
         self._client = client
         self._limit = limit
+        #: The largest answer read (``--max-upstream-answer-bytes``).
+        self._cap = cap
 
     async def run(
         self, req: Request, attempt: Attempt, call: UpstreamCall, prefill: dict[str, Any] | None
@@ -129,7 +142,15 @@ class BufferedDecode:
         req.kv_taken()  # nothing will show when decode schedules it (see lifecycle)
         try:
             with trio.move_on_after(self._limit) as scope:
-                resp = await self._client.post(call.url, content=call.content, headers=call.headers)
+                resp = await post_capped(
+                    self._client,
+                    call.url,
+                    content=call.content,
+                    headers=call.headers,
+                    cap=self._cap,
+                )
+        except AnswerTooLarge as exc:
+            return req.record_failure(outcomes.invalid(call.stage, ep, str(exc)))
         except httpx.HTTPError as exc:
             if isinstance(exc, httpx.ConnectError):
                 req.kv_refused()  # the request never went out

@@ -26,6 +26,7 @@ from .outcomes import LegFailure
 from .request import Attempt, Request
 from .response_headers import passed_on, with_default
 from .sse import EventFramer
+from .upstream import AnswerTooLarge, read_capped
 
 
 class RelayOverflow(Exception):
@@ -177,6 +178,8 @@ class DecodeRelay:
                 attempt.lease.release(ep)
         except RelayOverflow as exc:
             buffer.close(req.record_failure(outcomes.client_too_slow(stage, ep, str(exc))))
+        except AnswerTooLarge as exc:  # an error answer (before the head) past the cap
+            head.fail(req.record_failure(outcomes.invalid(stage, ep, str(exc))))
         except httpx.HTTPError as exc:
             failure = req.record_failure(outcomes.transport_failure(stage, ep, exc))
             if head.ready.is_set():  # mid-stream: the client gets an error event
@@ -197,7 +200,7 @@ class DecodeRelay:
     ) -> None:
         ep = call.endpoint
         if resp.status_code != 200:
-            body = await resp.aread()
+            body = await read_capped(resp, self._max_buffered_bytes)
             head.fail(req.record_failure(status_failure(call.stage, ep, resp, body)))
             return
         if self._release_at_headers:

@@ -155,8 +155,10 @@ def build_app(
         routing=routing,
         admission=admission,
         outcomes=breakers,
-        prefill=PrefillLeg(client, t.prefill_limit, config.upstream_api_key),
-        buffered=BufferedDecode(client, t.first_byte_limit),
+        prefill=PrefillLeg(
+            client, t.prefill_limit, config.upstream_api_key, config.max_upstream_answer_bytes
+        ),
+        buffered=BufferedDecode(client, t.first_byte_limit, config.max_upstream_answer_bytes),
         relay=DecodeRelay(
             client,
             first_byte_limit=t.first_byte_limit,
