@@ -20,6 +20,7 @@ from .policies import POLICY_NAMES, PolicySettings
 from .settings import (
     AdmissionSettings,
     BreakerSettings,
+    ClusterSettings,
     HealthSettings,
     RetrySettings,
     ServerSettings,
@@ -29,6 +30,7 @@ from .settings import (
 __all__ = [
     "AdmissionSettings",
     "BreakerSettings",
+    "ClusterSettings",
     "ConfigError",
     "HealthSettings",
     "RetrySettings",
@@ -239,6 +241,8 @@ class RouterConfig:
     breaker: BreakerSettings = section(BreakerSettings)
     health: HealthSettings = section(HealthSettings)
     admission: AdmissionSettings = section(AdmissionSettings)
+    # -- cluster
+    cluster: ClusterSettings = section(ClusterSettings)
     # -- security
     api_key: str | None = setting(
         None,

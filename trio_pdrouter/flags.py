@@ -50,6 +50,7 @@ class Group(enum.Enum):
     ROUTING_POLICY = "routing policy"
     REQUESTS = "requests"
     RESILIENCE = "resilience"
+    CLUSTER = "cluster"
     SECURITY = "security"
     OBSERVABILITY = "observability"
 
