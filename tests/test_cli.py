@@ -103,7 +103,8 @@ def test_help_documents_the_flags() -> None:
 FLAGS_BEFORE = [
     "--api-key", "--backlog", "--balance-abs-threshold", "--balance-rel-threshold",
     "--cache-threshold", "--cb-failure-threshold", "--cb-success-threshold",
-    "--cb-timeout-duration-secs", "--cb-window-duration-secs", "--connect-timeout-secs",
+    "--cb-timeout-duration-secs", "--cb-window-duration-secs", "--cluster-sync-ms",
+    "--cluster-url", "--connect-timeout-secs",
     "--decode", "--decode-first-byte-timeout-secs", "--decode-idle-timeout-secs",
     "--decode-policy", "--disable-circuit-breaker", "--disable-retries",
     "--engine-metrics-interval", "--eviction-interval-secs", "--graceful-timeout-secs",
@@ -114,7 +115,7 @@ FLAGS_BEFORE = [
     "--max-tree-size", "--max-upstream-answer-bytes", "--no-release-stranded-kv", "--policy", "--port", "--prefill",
     "--prefill-policy", "--prefill-timeout-secs", "--prometheus-host", "--prometheus-port",
     "--queue-size", "--queue-timeout-secs", "--release-decode-at-headers",
-    "--release-stranded-kv", "--request-id-headers", "--request-timeout-secs",
+    "--release-stranded-kv", "--replica-id", "--request-id-headers", "--request-timeout-secs",
     "--retry-backoff-multiplier", "--retry-initial-backoff-ms", "--retry-jitter-factor",
     "--retry-max-backoff-ms", "--retry-max-retries", "--upstream-api-key",
     "--upstream-transport", "--version", "--vllm-pd-disaggregation", "--worker-urls", "-h",
@@ -163,6 +164,8 @@ SAMPLES = {
     "PATH": "/v1/sample",
     "KEY=VALUE": "app=sample",
     "URL=ENDPOINT[,ENDPOINT...]": "http://sample:9=tcp://sample:5557",
+    "REDIS_URL": "redis://sample:6379/0",
+    "ID": "replica-sample",
 }
 
 

@@ -27,6 +27,7 @@ from .fleet import DuplicateServer, Fleet
 from .health import HealthBoard
 from .load import LoadLedger
 from .metrics import CONTENT_TYPE, RouterMetrics
+from .peers import PeerLoads, cluster_view
 from .policies.routing_key import routing_key
 from .proxy import Proxy
 from .record import RequestRecord, access_line
@@ -56,7 +57,8 @@ class RouterApp:
 
     Every collaborator is given here: the fleet (servers), routing (candidates), the ledger
     (``/get_loads``), the proxy (inference), the upstream client (``/v1/models``), metrics,
-    the health board, and engine truth (None when ``--engine-metrics-interval`` is 0).
+    the health board, engine truth (None when ``--engine-metrics-interval`` is 0) and the
+    peers' loads (None without ``--cluster-url``).
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class RouterApp:
         metrics: RouterMetrics,
         health: HealthBoard,
         engine_truth: EngineTruth | None,
+        peers: PeerLoads | None,
     ) -> None:
         self._config = config
         self._cors = Cors(config.cors_allowed_origins)
@@ -84,6 +87,8 @@ class RouterApp:
         self.health = health
         #: The engines' own counts, when --engine-metrics-interval is not 0.
         self.engine_truth = engine_truth
+        #: The other replicas' latest loads, when --cluster-url is set.
+        self.peers = peers
         self.routes: dict[str, dict[str, Handler]] = {
             "/health": {"GET": self._health},
             "/healthcheck": {"GET": self._health},  # vLLM's PD proxy example serves this one
@@ -230,6 +235,8 @@ class RouterApp:
         if truth is not None:  # beside the integer maps, so existing readers are unaffected
             loads["engine"] = truth.engine_totals()
             loads["drift"] = dict(truth.drift)
+        if self.peers is not None:
+            loads["cluster"] = cluster_view(self.ledger.snapshot(), self.peers)
         await _reply(send, Reply.json(orjson.dumps(loads)))
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -20,6 +20,7 @@ from .policies import POLICY_NAMES, PolicySettings
 from .settings import (
     AdmissionSettings,
     BreakerSettings,
+    ClusterSettings,
     HealthSettings,
     RetrySettings,
     ServerSettings,
@@ -37,6 +38,7 @@ from .unsupported import (
 __all__ = [
     "AdmissionSettings",
     "BreakerSettings",
+    "ClusterSettings",
     "ConfigError",
     "HealthSettings",
     "RetrySettings",
@@ -270,6 +272,8 @@ class RouterConfig:
     breaker: BreakerSettings = section(BreakerSettings)
     health: HealthSettings = section(HealthSettings)
     admission: AdmissionSettings = section(AdmissionSettings)
+    # -- cluster
+    cluster: ClusterSettings = section(ClusterSettings)
     # -- security
     api_key: str | None = setting(
         None,

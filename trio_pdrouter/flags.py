@@ -56,6 +56,7 @@ class Group(enum.Enum):
     ROUTING_POLICY = "routing policy"
     REQUESTS = "requests"
     RESILIENCE = "resilience"
+    CLUSTER = "cluster"
     SECURITY = "security"
     OBSERVABILITY = "observability"
     REFUSED = "vllm-router flags not implemented (they parse, then refuse to start with a reason)"

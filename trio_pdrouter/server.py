@@ -20,7 +20,8 @@ from hypercorn.typing import Framework
 from .admission import Admission
 from .app import RouterApp
 from .breaker import Breakers
-from .config import RouterConfig
+from .cluster_sync import ClusterSync, connect, exchange_timeout
+from .config import ClusterSettings, RouterConfig
 from .endpoints import normalize_url
 from .engine_truth import EngineTruth
 from .fleet import Fleet
@@ -28,6 +29,7 @@ from .health import HealthBoard
 from .legs import BufferedDecode, PrefillLeg
 from .load import LoadLedger
 from .metrics import MetricsApp, RouterMetrics
+from .peers import PeerLoads
 from .policies import make_policy
 from .proxy import Proxy
 from .rate_limit import TokenBucket
@@ -132,8 +134,21 @@ def build_app(
         )
         for role in config.servers()
     }
+    peers = None
+    if config.cluster.url is not None:
+        cluster = config.cluster
+        # Peers' counts hold for an expiry plus one exchange's time limit without news: longer
+        # and the sync loop has stopped (a failed exchange forgets them at once anyway).
+        peers = PeerLoads(
+            cluster.replica(config.server.port),
+            cluster.ttl + exchange_timeout(cluster.ttl),
+            trio.current_time,
+        )
     routing = Routing(
-        policies, ledger, (health.is_healthy, lambda ep: breakers.admits(ep, trio.current_time()))
+        policies,
+        ledger,
+        (health.is_healthy, lambda ep: breakers.admits(ep, trio.current_time())),
+        peers,
     )
     fleet = Fleet(
         dp_size=config.dp_size, routing=routing, ledger=ledger, health=health, breakers=breakers
@@ -191,6 +206,7 @@ def build_app(
         metrics=metrics,
         health=health,
         engine_truth=truth,
+        peers=peers,
     )
 
 
@@ -246,6 +262,8 @@ async def _run(
         nursery.start_soon(app.engine_truth.run)
     if config.health.interval_secs > 0:
         await nursery.start(app.health.run, client)
+    if app.peers is not None:
+        await nursery.start(_sync_cluster, config.cluster, app)
     metrics_url = None
     if config.prometheus_port is not None:
         metrics_binds: list[str] = await nursery.start(
@@ -308,6 +326,27 @@ async def _serve_metrics(
     )
     hc = hypercorn_config(attrs.evolve(config, server=server))
     await serve(cast(Framework, MetricsApp(metrics)), hc, task_status=task_status)
+
+
+async def _sync_cluster(
+    settings: ClusterSettings, app: RouterApp, task_status: trio.TaskStatus[None]
+) -> None:
+    """Share loads with the other replicas until cancelled; started once the first exchange
+    has been tried (so the first requests already see the peers, when the store is up)."""
+    assert settings.url is not None and app.peers is not None
+    async with connect(settings.url, timeout=exchange_timeout(settings.ttl)) as store:
+        sync = ClusterSync(
+            store,
+            app.ledger.snapshot,
+            app.peers,
+            interval=settings.interval,
+            ttl=settings.ttl,
+            observer=app.metrics,
+        )
+        await sync.sync_once()
+        log.info("cluster replica=%s connected=%s", app.peers.replica, sync.connected)
+        task_status.started()
+        await sync.run()
 
 
 async def _maintain_policies(routing: Routing, interval: float) -> None:
