@@ -15,7 +15,8 @@ Targets take turns within a round (floor, ours, vllm-router, floor, ...) and the
 rounds is reported, because other processes load the machine. Router CPU is the router process's
 user + system time over the measured window (psutil). ``BENCH_BASELINE=DIR`` adds an
 "ours (baseline)" target run from another checkout (``git archive main | tar -x -C DIR``), for
-before/after comparisons in the same run.
+before/after comparisons in the same run; ``BENCH_PACED_MODES=regular|pd``, ``BENCH_PACED_C=256``
+and ``BENCH_PACED_REPEATS=N`` narrow or lengthen a run.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from typing import Any
 
 import httpx
 
-from .common import Context, latency_summary, median, run_load
+from .common import Context, latency_summary, median, percentile, run_load
 from .procs import ProcessSet, Service, free_port, start_router, start_sim, wait_ready
 from .procs import wait_sims_idle as _wait_idle
 
 PROFILES: dict[str, dict[str, Any]] = {
-    "quick": {"warmup": 2.0, "seconds": 5.0, "repeats": 2, "concurrency": [64, 256, 1000]},
+    "quick": {"warmup": 3.0, "seconds": 8.0, "repeats": 2, "concurrency": [64, 256, 1000]},
     "full": {"warmup": 3.0, "seconds": 15.0, "repeats": 3, "concurrency": [64, 256, 1000]},
 }
 ITL_S = "0.02"
@@ -89,10 +90,11 @@ def _measure(
     label: str,
 ) -> dict[str, Any]:
     p = PROFILES[ctx.profile]
+    repeats = int(os.environ.get("BENCH_PACED_REPEATS", p["repeats"]))
     flags = [*load, "--warmup", str(p["warmup"]), "--seconds", str(p["seconds"])]
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in targets}
     with httpx.Client(timeout=5.0) as client:
-        for rep in range(p["repeats"]):
+        for rep in range(repeats):
             for name, router in targets.items():
                 ctx.progress.phase(f"{label} C={concurrency}: {name}, round {rep + 1}")
                 _wait_idle(client, sims, timeout=60.0)
@@ -110,6 +112,9 @@ def _measure(
                 cpu = raw.get("router_cpu_s", float("nan"))
                 window = raw["window_s"]
                 lat = latency_summary(raw)
+                # Time to first token of every stream that started in the window: under
+                # saturation streams outlast the window, and "completed" would be empty.
+                ttft = raw["first_bytes"]
                 runs[name].append(
                     {
                         "router_us_per_event": cpu / max(1, raw["events"]) * 1e6,
@@ -117,8 +122,9 @@ def _measure(
                         "router_cpu_util": cpu / window,
                         "events_per_s": raw["events"] / window,
                         "req_per_s": lat["req_per_s"],
-                        "ttft_p50_ms": lat["ttfb_p50_ms"],
-                        "ttft_p99_ms": lat["ttfb_p99_ms"],
+                        "ttft_p50_ms": percentile(ttft, 0.50) * 1e3,
+                        "ttft_p99_ms": percentile(ttft, 0.99) * 1e3,
+                        "started_per_s": len(ttft) / window,
                         "failed": float(raw["failed"]),
                         "router_peak_rss_mb": raw["router_peak_rss"] / 2**20,
                     }

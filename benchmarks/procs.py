@@ -300,6 +300,7 @@ class LoadRun:
         merged: dict[str, Any] = {
             "ttfb": [],
             "total": [],
+            "first_bytes": [],
             "ok": 0,
             "failed": 0,
             "errors": {},
@@ -314,6 +315,7 @@ class LoadRun:
             part = orjson.loads(out.read_bytes())
             merged["ttfb"] += part["ttfb"]
             merged["total"] += part["total"]
+            merged["first_bytes"] += part["first_bytes"]
             for key in ("ok", "failed", "events", "open_streams_peak"):
                 merged[key] += part[key]
             for kind, n in part["errors"].items():
