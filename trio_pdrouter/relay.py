@@ -25,6 +25,7 @@ from .legs import UpstreamCall, status_failure
 from .outcomes import LegFailure
 from .request import Attempt, Request
 from .sse import EventFramer
+from .transport import body_chunks
 
 
 class RelayOverflow(Exception):
@@ -210,13 +211,13 @@ class DecodeRelay:
         content_type = resp.headers.get("content-type", "text/event-stream").encode()
         head.open(content_type)
         if not content_type.startswith(b"text/event-stream"):
-            async for chunk in resp.aiter_raw():
+            async for chunk in body_chunks(resp):
                 buffer.put(chunk)
             buffer.close()
             req.record_success(ep)
             return
         framer = EventFramer()
-        async for chunk in resp.aiter_raw():
+        async for chunk in body_chunks(resp):
             data = framer.feed(chunk)
             if data:
                 buffer.put(data)
