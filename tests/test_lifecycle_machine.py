@@ -204,7 +204,8 @@ class UpstreamCall:
     endpoint: str
     request_id: str
     stream: bool
-    #: Sent after its client had left (the stranded-KV release of a prefill's blocks).
+    #: A one-token decode that reclaims a prefill's KV blocks no decode took (the requests
+    #: of the machine ask for more tokens).
     stranded: bool
     decided: trio.Event = attrs.Factory(trio.Event)
     decision: str | None = None
@@ -375,7 +376,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             endpoint=f"{request.url.scheme}://{host}:{request.url.port}",
             request_id=req.request_id,
             stream=bool(orjson.loads(request.content).get("stream")),
-            stranded=req.exchange.disconnect.is_set(),
+            stranded=stage != "prefill" and orjson.loads(request.content)["max_tokens"] == 1,
         )
         self.calls.append(upstream_call)
         req.calls.append(upstream_call)
@@ -581,6 +582,18 @@ class LifecycleMachine(RuleBasedStateMachine):
         self._shutdown()
         self.check_everything_released()
 
+    @precondition(lambda self: self._may("shutdown") and bool(self._live()))
+    @rule()
+    def shutdown_deadline_passes(self) -> None:
+        """The graceful timeout is over: the router ends every undecided request itself."""
+        self._step(self.app.proxy.shut_down)
+        for req in self._live():
+            if not req.exchange.draining.is_set():
+                continue  # its send is blocked: it ends once the client reads again
+            assert req.exchange.complete or req.exchange.disconnect.is_set(), req.request_id
+            if req.exchange.status == 503:
+                assert b"shutting down" in bytes(req.exchange.body)
+
     def _shutdown(self) -> None:
         """hypercorn's end of a graceful shutdown: every request task is cancelled."""
 
@@ -654,7 +667,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             # Reading, and no engine works for it: only a retry's backoff is left.
             return frozenset({Phase.RETRYING})
         # A client that stopped reading holds a send: mid-stream, or the final one.
-        return frozenset({Phase.RETRYING, Phase.STREAMING, Phase.ANSWERED, Phase.FAILED})
+        held = {Phase.RETRYING, Phase.STREAMING, Phase.ANSWERED, Phase.FAILED, Phase.SHUT_DOWN}
+        return frozenset(held)
 
     def _expected_kv(self, req: ClientRequest) -> KvOwner | None:
         """Who holds the current attempt's KV, when the calls tell (None: they do not)."""
@@ -662,16 +676,16 @@ class LifecycleMachine(RuleBasedStateMachine):
         if not calls or calls[-1].stage == "worker":
             return KvOwner.NONE
         last = calls[-1]
-        prefill = calls[-2] if last.stage == "decode" and len(calls) > 1 else None
-        if last.stage == "prefill" or prefill is None or not last.open:
+        prefills = [c for c in calls if c.stage == "prefill"]
+        if last.stage == "prefill" or not prefills or not last.open:
             return None
-        if prefill.decision == "ok_no_kv":
+        if prefills[-1].decision == "ok_no_kv":
             return KvOwner.NONE
-        # Decode is taken to have pulled the blocks once it answered (see trio_pdrouter.lifecycle):
-        # a stream's head; a whole answer, which ends the call, otherwise.
-        if req.stream and not last.awaiting_head:
-            return KvOwner.DECODE
-        return KvOwner.PREFILL
+        # When decode has taken the blocks (trio_pdrouter.lifecycle): a stream at its first
+        # event, a non-streaming request once sent.
+        if req.stream and last.sent == 0:
+            return KvOwner.PREFILL
+        return KvOwner.DECODE
 
     @invariant()
     def nothing_was_swallowed_or_escaped(self) -> None:
@@ -752,6 +766,7 @@ def _push_chunk(target: UpstreamCall) -> None:
     assert target.body is not None
     if target.stream:
         target.body.push(EVENT)
+        target.sent += len(EVENT)
         return
     # A non-streaming answer arrives in slices; keep the last byte for the EOF rule.
     piece = DECODE_ANSWER[target.sent : min(target.sent + 40, len(DECODE_ANSWER) - 1)]

@@ -16,7 +16,7 @@ import httpx
 import orjson
 import trio
 
-from . import errors, pd
+from . import errors, pd, sampling
 from .asgi import Downstream, Receive, Reply, Scope, Send, answer_lifespan
 from .config import RouterConfig
 from .endpoints import Role
@@ -101,6 +101,18 @@ class RouterApp:
         if scope["type"] != "http":
             return
         path: str = scope["path"]
+        key = self._config.api_key
+        # Before the route is looked up: without the key, every route answers 401 alike, so
+        # none can be told apart (enumerated) by its 404 or 405.
+        if key is not None and path not in OPEN_ROUTES and not _authorized(scope, key):
+            await _reply(send, Reply.error(errors.unauthorized()))
+            return
+        if _smuggling(scope):
+            # RFC 9112 §6.1: a message with both may be a request smuggled past a proxy that
+            # trusts Content-Length; refuse it and close the connection.
+            error = errors.bad_request("request has both Content-Length and Transfer-Encoding")
+            await _reply(send, Reply.error(error, [(b"connection", b"close")]))
+            return
         methods = self.routes.get(path)
         if methods is None and path.startswith(WORKER_PREFIX):
             methods = {"DELETE": self._remove_worker}
@@ -114,10 +126,6 @@ class RouterApp:
                 errors.method_not_allowed(scope["method"], path), [(b"allow", allow)]
             )
             await _reply(send, reply)
-            return
-        key = self._config.api_key
-        if key is not None and path not in OPEN_ROUTES and not _authorized(scope, key):
-            await _reply(send, Reply.error(errors.unauthorized()))
             return
         await handler(scope, receive, send)
 
@@ -147,6 +155,16 @@ class RouterApp:
             if inference is None:  # the client left while sending its body: nobody to answer
                 return
             record = await self.proxy.handle(inference, receive, send)
+        self._account(record)
+
+    def account_unfinished(self) -> None:
+        """Log and count every request still in flight, as it stands (the process is about
+        to exit without them finishing)."""
+        for req in list(self.proxy.in_flight):
+            self._account(req.record())
+
+    def _account(self, record: RequestRecord) -> None:
+        """One access line and the metrics of one request."""
         if log.isEnabledFor(logging.INFO):
             log.info("%s", access_line(record))
         self.metrics.observe_request(record)
@@ -298,6 +316,9 @@ def _validate(path: str, body: Any) -> None:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(errors.bad_request("'stream' must be a boolean", "stream"))
+    # Refused by the router, not by decode after prefill ran: that would strand the KV.
+    if (refusal := sampling.refusal(body)) is not None:
+        raise BadRequest(refusal)
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:
@@ -324,10 +345,19 @@ def _headers(scope: Scope) -> dict[str, str]:
 
 
 def _authorized(scope: Scope, api_key: str) -> bool:
+    """``Authorization: Bearer KEY``; the scheme's name is case-insensitive (RFC 7235)."""
     for name, value in scope["headers"]:
         if name.lower() == b"authorization":
-            return hmac.compare_digest(value, b"Bearer " + api_key.encode())
+            scheme, _, token = value.partition(b" ")
+            return scheme.lower() == b"bearer" and hmac.compare_digest(
+                token.strip(b" "), api_key.encode()
+            )
     return False
+
+
+def _smuggling(scope: Scope) -> bool:
+    names = {name.lower() for name, _ in scope["headers"]}
+    return b"content-length" in names and b"transfer-encoding" in names
 
 
 async def _reply(send: Send, reply: Reply) -> None:

@@ -69,4 +69,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     config = parse_config(argv)
     configure_logging(config.log_level)
-    trio.run(lambda: run_router(config, shutdown_trigger=wait_for_signal))
+    trio.run(lambda: run_router(config, shutdown_trigger=wait_for_signal, exit_by_deadline=True))

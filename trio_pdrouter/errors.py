@@ -81,5 +81,9 @@ def no_healthy_endpoint(stage: str) -> RouterError:
     return RouterError(503, f"no healthy {stage} endpoint is available", "service_unavailable")
 
 
+def shutting_down() -> RouterError:
+    return RouterError(503, "the router is shutting down", "service_unavailable")
+
+
 def upstream_timeout(stage: str, endpoint: str, detail: str) -> RouterError:
     return RouterError(504, f"{stage} upstream {endpoint} timed out: {detail}", "timeout_error")

@@ -23,6 +23,10 @@ with the failure) or, with attempts left and a retriable kind, waits for the nex
 (``RETRY`` -> RETRYING -ROUTE-> ROUTED ...). After the stream started, ``FAIL`` ends it with an
 error event and ``[DONE]``; there is no ``RETRY`` out of STREAMING, so nothing is ever sent twice.
 
+``SHUT_DOWN`` ends a request whose answer is not decided yet when the router's shutdown deadline
+comes: a stream gets an error event and ``[DONE]``, anything else a 503. SHUT_DOWN absorbs the
+legs' late events as CLIENT_GONE does (below).
+
 ``CLIENT_LEFT`` is allowed in every phase but the final ones: the client can leave at any instant,
 including after the answer was decided but before its last message went out (ANSWERED, FAILED,
 UNROUTABLE and REJECTED mean *decided*; the final send follows). A request whose client left is
@@ -31,17 +35,30 @@ the client leave cancels the request's scope, but trio delivers a cancellation o
 checkpoint, so a leg that was just handed its result still finishes the step it was taking
 (a prefill answer read in the same instant is still recorded, and its KV blocks reclaimed).
 
-Prefill KV ownership (SPEC §5.2), per attempt::
+Prefill KV ownership (SPEC §5.2)::
 
-    NONE -PREFILL_HELD-> PREFILL -PULLED-> DECODE
+    NONE -PREFILL_HELD-> PREFILL -PULLED-> DECODE -REFUSED-> PREFILL
                          PREFILL -RECLAIM-> RECLAIMED    (a one-token decode pulls them now)
                          PREFILL -ABANDON-> ABANDONED    (left to the prefill engine's timeout)
-    any  -NEXT_ATTEMPT-> NONE
+    NONE, DECODE, RECLAIMED, ABANDONED -NEXT_ATTEMPT-> NONE
 
-Decode is taken to have pulled the blocks when it answered: its response head for a stream, its
-whole answer otherwise. When an attempt ends with the blocks still on the prefill engine, the
-router reclaims them if the client left (and ``--release-stranded-kv`` is on) and abandons them
-otherwise.
+When decode has taken the blocks (vLLM pulls them when it *schedules* the request, after it has
+sent a stream's response head):
+
+* a stream: at its first event that is not an error. The head proves nothing (vLLM sends it
+  before scheduling); the first output comes after the pull.
+* a non-streaming request: once its leg is sent. Nothing shows when decode schedules it, and a
+  reclaim sent after decode pulled the blocks makes decode recompute the whole prompt; so the
+  router counts them as taken unless decode proves otherwise: an HTTP error answer, or a
+  connection that failed before the request went out (``REFUSED``: the blocks are still held).
+  A non-streaming request aborted while it was still queued leaves its blocks to the prefill
+  engine's timeout; that is the price of never making decode prefill twice.
+
+When an attempt ends with the blocks still on the prefill engine, a retry that follows (a decode
+failure before any byte) reuses them: the next attempt sends decode the same
+``kv_transfer_params`` instead of running a fresh prefill. Otherwise, when the request is done
+with them, they are reclaimed exactly once (``--release-stranded-kv``, on by default) or, with
+that flag off, abandoned.
 """
 
 from __future__ import annotations
@@ -64,6 +81,7 @@ class Phase(enum.Enum):
     FAILED = "failed"  # a leg's failure: an engine's error passed on, or the router's own
     UNROUTABLE = "unroutable"  # no endpoint of a stage could take it
     REJECTED = "rejected"  # admission refused it (queue full, queue timeout)
+    SHUT_DOWN = "shut_down"  # the router's shutdown deadline came first: answered 503
     # Final.
     CRASHED = "crashed"  # a bug in the router; answered 500 (or an error event) if possible
     CLIENT_GONE = "client_gone"  # the client left; nobody to answer
@@ -82,6 +100,7 @@ class Event(enum.Enum):
     RETRY = "retry"
     FAIL = "fail"
     CLIENT_LEFT = "client_left"
+    SHUT_DOWN = "shut_down"
     CRASH = "crash"
 
 
@@ -110,19 +129,31 @@ TRANSITIONS: Mapping[Phase, Mapping[Event, Phase]] = {
     P.CRASHED: {},
     # Absorbs every event but CRASH (see the module doc); written out by _next.
     P.CLIENT_GONE: {},
+    # Absorbs the legs' late events like CLIENT_GONE; the client may still leave.
+    P.SHUT_DOWN: {},
 }
 
 #: Phases in which the client can still leave: all but the two final ones.
 _LEAVABLE = frozenset(TRANSITIONS) - {P.CRASHED, P.CLIENT_GONE}
+#: Phases the shutdown deadline ends: those whose answer is not decided yet.
+_UNDECIDED = frozenset(TRANSITIONS) - {
+    P.ANSWERED,
+    P.FAILED,
+    P.UNROUTABLE,
+    P.REJECTED,
+    P.SHUT_DOWN,
+    P.CRASHED,
+    P.CLIENT_GONE,
+}
 
 #: The phases in which the request's answer is known (its last message may still be unsent).
-DECIDED = frozenset({P.ANSWERED, P.FAILED, P.UNROUTABLE, P.REJECTED, P.CRASHED, P.CLIENT_GONE})
+DECIDED = frozenset(TRANSITIONS) - _UNDECIDED
 
 
 class KvOwner(enum.Enum):
     NONE = "none"  # no prefill in this attempt, or its one token was a stop (no KV to pull)
     PREFILL = "prefill"  # held by the prefill engine, waiting for a decode to pull them
-    DECODE = "decode"  # pulled by the decode engine
+    DECODE = "decode"  # taken by the decode engine (see the module doc for when)
     RECLAIMED = "reclaimed"  # a one-token decode was sent to pull them for a departed client
     ABANDONED = "abandoned"  # left on the prefill engine until its KV timeout frees them
 
@@ -130,6 +161,7 @@ class KvOwner(enum.Enum):
 class KvEvent(enum.Enum):
     PREFILL_HELD = "prefill_held"
     PULLED = "pulled"
+    REFUSED = "refused"
     RECLAIM = "reclaim"
     ABANDON = "abandon"
     NEXT_ATTEMPT = "next_attempt"
@@ -140,7 +172,7 @@ K, KE = KvOwner, KvEvent
 KV_TRANSITIONS: Mapping[KvOwner, Mapping[KvEvent, KvOwner]] = {
     K.NONE: {KE.PREFILL_HELD: K.PREFILL, KE.NEXT_ATTEMPT: K.NONE},
     K.PREFILL: {KE.PULLED: K.DECODE, KE.RECLAIM: K.RECLAIMED, KE.ABANDON: K.ABANDONED},
-    K.DECODE: {KE.NEXT_ATTEMPT: K.NONE},
+    K.DECODE: {KE.REFUSED: K.PREFILL, KE.NEXT_ATTEMPT: K.NONE},
     K.RECLAIMED: {KE.NEXT_ATTEMPT: K.NONE},
     K.ABANDONED: {KE.NEXT_ATTEMPT: K.NONE},
 }
@@ -211,10 +243,12 @@ def _next(phase: Phase, event: Event) -> Phase | None:
     if event is Event.CRASH:
         # A crash while answering a departed client is still logged as one.
         return Phase.CRASHED if phase is not Phase.CRASHED else None
-    if phase is Phase.CLIENT_GONE:
-        return Phase.CLIENT_GONE
     if event is Event.CLIENT_LEFT:
-        return Phase.CLIENT_GONE if phase in _LEAVABLE else None
+        return Phase.CLIENT_GONE if phase in _LEAVABLE or phase is Phase.CLIENT_GONE else None
+    if phase is Phase.CLIENT_GONE or phase is Phase.SHUT_DOWN:
+        return phase
+    if event is Event.SHUT_DOWN:
+        return Phase.SHUT_DOWN if phase in _UNDECIDED else None
     return TRANSITIONS[phase].get(event)
 
 
@@ -227,6 +261,7 @@ OUTCOMES: Mapping[Phase, str] = {
     P.REJECTED: "rejected",
     P.CRASHED: "internal_error",
     P.CLIENT_GONE: "client_disconnect",
+    P.SHUT_DOWN: "shutdown",
 }
 
 

@@ -99,7 +99,12 @@ def upstream_headers(
     Values are bytes: a client's header goes on exactly as it arrived (ASGI decoded it as
     latin-1), even where it is not ASCII, which httpx would refuse to encode from ``str``.
     """
-    out = {b"content-type": b"application/json", b"x-request-id": rid.encode("latin-1", "replace")}
+    out = {
+        b"content-type": b"application/json",
+        b"x-request-id": rid.encode("latin-1", "replace"),
+        # Streams are relayed as they come: a compressed one would reach the client undecoded.
+        b"accept-encoding": b"identity",
+    }
     for name in FORWARDED_HEADERS:
         value = client_headers.get(name)
         if value is not None:

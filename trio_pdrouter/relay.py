@@ -251,27 +251,31 @@ class DecodeRelay:
         idle: IdleDeadline,
     ) -> None:
         ep = call.endpoint
-        req.decode_answered()
         if resp.status_code != 200:
             body = await resp.aread()
             head.fail(req.record_failure(status_failure(call.stage, ep, resp, body)))
             return
         if self._release_at_headers:
             attempt.lease.release(ep)  # the historic bug, reproducible on purpose in tests only
-        content_type = resp.headers.get("content-type", "text/event-stream").encode()
-        head.open(content_type)
-        if not content_type.startswith(b"text/event-stream"):
-            async for chunk in body_chunks(resp):
-                idle.touch()
-                buffer.put(chunk)
-            buffer.close()
-            req.record_success(ep)
+        content_type = resp.headers.get("content-type", "text/event-stream")
+        if not content_type.startswith("text/event-stream"):
+            # Not a stream: the client asked for one, and an error event appended to it would
+            # not parse. A 502 before any byte instead.
+            failure = outcomes.invalid(call.stage, ep, f"a stream answered as {content_type}")
+            head.fail(req.record_failure(failure))
             return
+        head.open(content_type.encode())
         framer = EventFramer()
+        taken = False
         async for chunk in body_chunks(resp):
             idle.touch()
             data = framer.feed(chunk)
             if data:
+                if not taken and b'"error"' not in data:
+                    # The first output proves decode scheduled the request and so pulled the
+                    # prefill's KV blocks (its head does not: see trio_pdrouter.lifecycle).
+                    taken = True
+                    req.kv_taken()
                 buffer.put(data)
         if framer.pending or not framer.saw_done:
             failure = outcomes.invalid(call.stage, ep, "stream ended without [DONE]")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import signal
 from collections.abc import Awaitable, Callable
@@ -34,6 +35,11 @@ from .stranded import KvReclaimer
 from .upstream import make_client, stream_timeout
 
 log = logging.getLogger("trio_pdrouter.server")
+
+#: After the graceful timeout: how long hypercorn waits for the router's last answers to go out,
+#: and when the command line's process exits whatever is still running (seconds).
+ANSWER_FLUSH_S = 0.5
+EXIT_DEADLINE_S = 0.9
 
 
 @attrs.frozen
@@ -79,7 +85,9 @@ def hypercorn_config(config: RouterConfig) -> HypercornConfig:
     hc.bind = [f"[{s.host}]:{s.port}" if ":" in s.host else f"{s.host}:{s.port}"]
     hc.backlog = s.backlog
     hc.keep_alive_timeout = s.keep_alive_timeout
-    hc.graceful_timeout = s.graceful_timeout
+    # The router ends its own requests at the graceful timeout (see run_router); hypercorn
+    # waits a little longer, so those last answers go out before it cancels what is left.
+    hc.graceful_timeout = s.graceful_timeout + ANSWER_FLUSH_S
     # Bounds the request line plus headers that hypercorn buffers before it gives up.
     hc.h11_max_incomplete_size = s.max_header_bytes
     hc.accesslog = None  # the router writes its own access line per request
@@ -189,9 +197,18 @@ async def run_router(
     config: RouterConfig,
     *,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    exit_by_deadline: bool = False,
     task_status: trio.TaskStatus[RunningRouter] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until ``shutdown_trigger`` returns (or forever); report a :class:`RunningRouter`."""
+    """Serve until ``shutdown_trigger`` returns (or forever); report a :class:`RunningRouter`.
+
+    Shutdown: once the trigger returns, the router stops accepting connections and lets the
+    requests in flight finish for ``--graceful-timeout-secs``; then it ends each one whose
+    answer is not decided (a stream with an error event and ``[DONE]``, anything else with a
+    503) and hypercorn closes what is left. With ``exit_by_deadline`` (the command line) the
+    process exits ``EXIT_DEADLINE_S`` after that even if clients that stopped reading still
+    hold sends that nothing can cancel.
+    """
     close_connections_when_clients_leave()
     async with make_client(config) as client, trio.open_nursery() as nursery:
         app = build_app(config, client, nursery)
@@ -209,11 +226,20 @@ async def run_router(
             )
             metrics_url = metrics_binds[0]
 
+        trigger = None
+        if shutdown_trigger is not None:
+            inner = shutdown_trigger
+
+            async def trigger() -> None:
+                await inner()
+                deadline = config.server.graceful_timeout
+                nursery.start_soon(_end_requests_at, app, deadline, exit_by_deadline)
+
         async def _serve(task_status: trio.TaskStatus[list[str]]) -> None:
             await serve(
                 cast(Framework, app),
                 hypercorn_config(config),
-                shutdown_trigger=shutdown_trigger,
+                shutdown_trigger=trigger,
                 task_status=task_status,
             )
             nursery.cancel_scope.cancel()
@@ -221,6 +247,24 @@ async def run_router(
         binds: list[str] = await nursery.start(_serve)
         log.info("listening=%s mode=%s", binds[0], "pd" if config.pd else "regular")
         task_status.started(RunningRouter(binds[0], app.ledger, app, metrics_url))
+
+
+async def _end_requests_at(app: RouterApp, deadline: float, exit_by_deadline: bool) -> None:
+    """The graceful timeout is over: answer every request still undecided, then (with
+    ``exit_by_deadline``) make sure the process ends soon whatever clients do."""
+    await trio.sleep(deadline)
+    ended = app.proxy.shut_down()
+    log.warning("graceful timeout over: ended=%d requests in flight", ended)
+    if not exit_by_deadline:
+        return
+    # A send blocked on a client that stopped reading cannot be cancelled (hypercorn shields
+    # it), so serving could wait for it forever. Still here by now: account and exit.
+    await trio.sleep(EXIT_DEADLINE_S)
+    stuck = len(app.proxy.in_flight)
+    app.account_unfinished()
+    log.warning("exiting: requests=%d still held by clients that do not read", stuck)
+    logging.shutdown()
+    os._exit(0)
 
 
 async def _serve_metrics(
@@ -244,5 +288,9 @@ async def _maintain_policies(routing: Routing, interval: float) -> None:
         await trio.sleep(interval)
         more = True
         while more:
-            more = routing.maintain()
+            try:
+                more = routing.maintain()
+            except Exception:  # a bug in a policy must not end the router; try next round
+                log.exception("policy maintenance failed")
+                more = False
             await trio.lowlevel.checkpoint()  # let requests run between eviction slices

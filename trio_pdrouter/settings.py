@@ -31,7 +31,9 @@ class ServerSettings:
         Flag(
             "--graceful-timeout-secs",
             Group.LISTENING,
-            "on SIGTERM/SIGINT, let in-flight requests finish for this long, then cancel them",
+            "on SIGTERM/SIGINT, stop accepting and let in-flight requests finish for this long;"
+            " then each stream ends with an error event (503) and [DONE], every other request"
+            " gets a 503, and the process exits within a second more whatever clients do",
             type=float,
         ),
     )
@@ -130,7 +132,7 @@ class RetrySettings:
             Group.RESILIENCE,
             "attempts per request in all (1 = no retry). Prefill is retried on another"
             " endpoint after connection errors, 5xx, 429 and timeouts; decode only before the"
-            " client got a byte, and then with a fresh prefill",
+            " client got a byte, then on another decode with the prefill's KV blocks",
             type=int,
         ),
         switch=Switch(
