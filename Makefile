@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_SECONDS ?= 60
 BENCH_PROFILE ?= quick
 
-.PHONY: venv install lint test demo bench bench-full bench-vllm-router clean
+.PHONY: venv install lint test demo bench bench-full bench-vllm-router profile clean
 
 venv: $(BIN)/python
 
@@ -51,6 +51,11 @@ bench: $(VENV)/.bench-installed bench-vllm-router
 
 bench-full: $(VENV)/.bench-installed bench-vllm-router
 	$(BIN)/python -m benchmarks --profile full
+
+# The token-paced relay under py-spy: PROFILE_TARGET=ours|floor, a flame graph in benchmarks/results/.
+PROFILE_TARGET ?= ours
+profile: $(VENV)/.bench-installed
+	$(BIN)/python -m benchmarks.profile --target $(PROFILE_TARGET)
 
 clean:
 	rm -rf $(VENV) $(VLLM_ROUTER_VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -11,10 +11,11 @@ Protocol with the parent process: a line ``window-start`` on stdout when measure
 the results as JSON in ``--out``:
 
 ``ttfb`` / ``total``  seconds to the first body byte / to the end, per request completed in
-the window; ``ok`` / ``failed`` / ``errors`` (by kind) over the window; ``events`` SSE events
+the window; ``first_bytes`` seconds to the first body byte of every request whose first byte
+arrived in the window, finished or not (time to first token when streams outlast the
+window); ``ok`` / ``failed`` / ``errors`` (by kind) over the window; ``events`` SSE events
 received in the window; ``window_s`` the window's real length, ``window_start_s`` when it
-opened (seconds after the start); ``open_streams_peak`` the most
-requests in flight at once.
+opened (seconds after the start); ``open_streams_peak`` the most requests in flight at once.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class Results:
         self.measuring = False
         self.ttfb: list[float] = []
         self.total: list[float] = []
+        self.first_bytes: list[float] = []
         self.ok = 0
         self.failed = 0
         self.errors: dict[str, int] = {}
@@ -97,6 +99,7 @@ class Results:
         return {
             "ttfb": [round(x, 6) for x in self.ttfb],
             "total": [round(x, 6) for x in self.total],
+            "first_bytes": [round(x, 6) for x in self.first_bytes],
             "ok": self.ok,
             "failed": self.failed,
             "errors": self.errors,
@@ -139,6 +142,8 @@ async def client_loop(
                 async for chunk in resp.aiter_raw():
                     if first is None:
                         first = trio.current_time() - started
+                        if results.measuring:
+                            results.first_bytes.append(first)
                         results.streaming += 1
                         if results.streaming == results.clients:
                             results.all_streaming.set()

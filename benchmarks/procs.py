@@ -123,9 +123,11 @@ class ProcessSet:
         *,
         url: str = "",
         stdout: int | None = None,
+        cwd: Path = ROOT,
     ) -> Service:
         """Start ``argv``; its output goes to ``<log_dir>/<name>.log`` unless ``stdout`` says
-        otherwise (``subprocess.PIPE`` for a load generator's protocol lines)."""
+        otherwise (``subprocess.PIPE`` for a load generator's protocol lines); it runs in ``cwd``,
+        so ``python -m`` imports the packages of that checkout."""
         log_path = self.log_dir / f"{name}.log"
         log = log_path.open("wb")
         self._logs.append(log)
@@ -136,7 +138,7 @@ class ProcessSet:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-            cwd=ROOT,
+            cwd=cwd,
         )
         service = Service(name, popen, log_path, url)
         self.services.append(service)
@@ -196,9 +198,12 @@ def start_sim(procs: ProcessSet, name: str, *flags: str) -> Service:
     return service
 
 
-def start_router(procs: ProcessSet, name: str, kind: str, flags: Sequence[str]) -> Service:
-    """A router on a free port, ready: ``kind`` ``ours`` (``python -m trio_pdrouter``) or
-    ``vllm`` (the ``vllm-router`` program; its Prometheus listener gets a free port too)."""
+def start_router(
+    procs: ProcessSet, name: str, kind: str, flags: Sequence[str], cwd: Path = ROOT
+) -> Service:
+    """A router on a free port, ready: ``kind`` ``ours`` (``python -m trio_pdrouter`` of the
+    checkout in ``cwd``) or ``vllm`` (the ``vllm-router`` program; its Prometheus listener gets
+    a free port too)."""
     port = free_port()
     common = ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     if kind == "ours":
@@ -208,7 +213,7 @@ def start_router(procs: ProcessSet, name: str, kind: str, flags: Sequence[str]) 
         if program is None:
             raise RuntimeError("vllm-router is not installed")
         argv = [program, *common, "--prometheus-port", str(free_port()), *flags]
-    service = procs.start(name, argv, url=f"http://127.0.0.1:{port}")
+    service = procs.start(name, argv, url=f"http://127.0.0.1:{port}", cwd=cwd)
     wait_ready(service, "/health", timeout=90.0)
     return service
 
@@ -295,6 +300,7 @@ class LoadRun:
         merged: dict[str, Any] = {
             "ttfb": [],
             "total": [],
+            "first_bytes": [],
             "ok": 0,
             "failed": 0,
             "errors": {},
@@ -309,6 +315,7 @@ class LoadRun:
             part = orjson.loads(out.read_bytes())
             merged["ttfb"] += part["ttfb"]
             merged["total"] += part["total"]
+            merged["first_bytes"] += part["first_bytes"]
             for key in ("ok", "failed", "events", "open_streams_peak"):
                 merged[key] += part[key]
             for kind, n in part["errors"].items():

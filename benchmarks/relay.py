@@ -1,7 +1,9 @@
-"""Scenario 2, relay capacity: how many SSE events a router passes on, and at what CPU cost.
+"""Scenario 2b, relay capacity, coalesced: how many SSE events a router passes on, and at what
+CPU cost, when events arrive faster than they can be relayed one by one.
 
-Zero-latency simulators (``--fast``, tokens as fast as they can) behind a router in regular mode
-with round_robin; 256-token streams from closed loops of clients in two load generator
+Not what users see (that is :mod:`benchmarks.paced`, token-paced against the floor):
+zero-latency simulators (``--fast``, tokens as fast as they can) behind a router in regular
+mode with round_robin; 256-token streams from closed loops of clients in two load generator
 processes. One simulator process tops out near 6,000 events/s (hypercorn spends ~165 µs per body
 send), so the streams are spread over several simulator processes. Targets: trio-pdrouter with
 its own h11 transport, trio-pdrouter with ``--upstream-transport httpx`` (httpx's stock pool),

@@ -18,7 +18,7 @@ import pytest
 import trio
 import trio.testing
 
-from trio_pdrouter.transport import H11Transport
+from trio_pdrouter.transport import H11ResponseStream, H11Transport, body_chunks
 
 Handler = Callable[[trio.SocketStream, int], Awaitable[None]]
 
@@ -431,6 +431,55 @@ async def test_cancel_while_reading_the_body_closes_the_upstream_connection() ->
         await wait(server_saw_close)
 
 
+async def test_body_chunks_reads_the_transport_stream_directly_and_closes_like_aiter_raw() -> None:
+    server_saw_close = trio.Event()
+    transport = H11Transport()
+    async with (
+        serve(partial_body_server(server_saw_close)) as server,
+        client_for(transport) as client,
+    ):
+        async with client.stream("GET", server.url) as response:
+            chunks = body_chunks(response)
+            assert isinstance(chunks, H11ResponseStream)  # no httpx wrapper per chunk
+            assert await chunks.__anext__() == b"0123456789"
+            with pytest.raises(httpx.StreamConsumed):
+                await response.aiter_raw().__anext__()
+        assert open_count(transport, server) == 0  # response.aclose() reached the stream
+        await wait(server_saw_close)
+
+
+async def test_body_chunks_of_another_transport_is_aiter_raw() -> None:
+    mock = httpx.MockTransport(lambda r: httpx.Response(200, stream=httpx.ByteStream(b"abc")))
+    async with (
+        httpx.AsyncClient(transport=mock) as client,
+        client.stream("GET", "http://test/") as response,
+    ):
+        assert [c async for c in body_chunks(response)] == [b"abc"]
+
+
+async def test_body_chunks_reads_a_chunked_body_to_its_end_and_keeps_the_connection() -> None:
+    async def handler(stream: trio.SocketStream, index: int) -> None:
+        conn = h11.Connection(h11.SERVER)
+        while await read_request(stream, conn) is not None:
+            await send(
+                stream,
+                conn,
+                h11.Response(status_code=200, headers=[("Transfer-Encoding", "chunked")]),
+                h11.Data(data=b"data: 1\n\n"),
+                h11.Data(data=b"data: [DONE]\n\n"),
+                h11.EndOfMessage(),
+            )
+            conn.start_next_cycle()
+
+    transport = H11Transport()
+    async with serve(handler) as server, client_for(transport) as client:
+        for _ in range(2):
+            async with client.stream("GET", server.url) as response:
+                body = b"".join([c async for c in body_chunks(response)])
+            assert body == b"data: 1\n\ndata: [DONE]\n\n"
+        assert server.accepted == 1
+
+
 async def test_cancel_between_reads_closes_the_upstream_connection() -> None:
     server_saw_close = trio.Event()
     transport = H11Transport()
@@ -506,6 +555,42 @@ async def test_truncated_body_raises(raw: bytes) -> None:
         with pytest.raises(httpx.RemoteProtocolError):
             await client.get(server.url)
         assert open_count(transport, server) == 0
+
+
+@pytest.mark.parametrize(
+    ("raw", "kept"),
+    [
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", True),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+            b"5\r\nhello\r\n0\r\n\r\n",
+            False,
+        ),
+        (b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", False),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\njunk",
+            False,
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nx-t: 1\r\n\r\n",
+            True,
+        ),
+    ],
+    ids=["keep-alive", "connection-close", "http-1.0", "bytes-after-the-end", "trailers"],
+)
+async def test_chunked_body_end_decides_whether_the_connection_is_kept(
+    raw: bytes, kept: bool
+) -> None:
+    async def handler(stream: trio.SocketStream, index: int) -> None:
+        assert await read_request(stream, h11.Connection(h11.SERVER)) is not None
+        await stream.send_all(raw)
+        await wait_closed(stream)
+
+    transport = H11Transport()
+    async with serve(handler) as server, client_for(transport) as client:
+        async with client.stream("GET", server.url) as response:
+            assert b"".join([c async for c in body_chunks(response)]) == b"hello"
+        assert open_count(transport, server) == (1 if kept else 0)
 
 
 async def test_reset_mid_body_raises() -> None:

@@ -10,11 +10,17 @@ events under load.
 The buffer is bounded in bytes. A client that falls further behind than that is treated as gone:
 the reader stops, which closes the upstream connection (so the engine aborts) and releases load.
 
+The idle limit (``stream_timeout.read``, the longest gap between two upstream reads) is one
+cancel scope per stream (:class:`IdleDeadline`), not one per read: per token-paced event a fresh
+scope costs more than the rest of the upstream read path.
+
 Bytes go through untouched, but only whole SSE events (:class:`~.sse.EventFramer`): a partial
 tail is held back, so an error event appended after a mid-stream failure always parses.
 """
 
 from __future__ import annotations
+
+import math
 
 import httpx
 import trio
@@ -26,6 +32,7 @@ from .outcomes import LegFailure
 from .request import Attempt, Request
 from .response_headers import passed_on, with_default
 from .sse import EventFramer
+from .transport import body_chunks
 from .upstream import AnswerTooLarge, read_capped
 
 
@@ -75,6 +82,38 @@ class RelayBuffer:
         return data
 
 
+class IdleDeadline:
+    """The idle limit of one stream: fires between ``limit`` and ``limit + slack`` seconds after
+    the last :meth:`touch`, never earlier.
+
+    One cancel scope for the whole stream; ``touch`` (per chunk) moves its deadline forward
+    only once every ``slack`` seconds (a 16th of the limit, at most one second), so a stream of
+    events costs a clock read per chunk. ``limit`` ``None``: no limit.
+    """
+
+    __slots__ = ("_limit", "_refresh_at", "_slack", "scope")
+
+    def __init__(self, limit: float | None) -> None:
+        self._limit = limit
+        self.scope = trio.CancelScope()
+        self._slack = self._refresh_at = math.inf
+        if limit is not None:
+            self._slack = min(1.0, limit / 16)
+            self._refresh_at = -math.inf
+            self.touch()
+
+    def touch(self) -> None:
+        """Data arrived: the limit counts from now. Invariant: deadline = refresh_at + limit."""
+        now = trio.current_time()
+        if now >= self._refresh_at:
+            assert self._limit is not None
+            self._refresh_at = now + self._slack
+            self.scope.deadline = self._refresh_at + self._limit
+
+    def timeout(self, request: httpx.Request) -> httpx.ReadTimeout:
+        return httpx.ReadTimeout(f"read timed out after {self._limit}s", request=request)
+
+
 class _Head:
     """How the decode upstream answered, handed from the reader to the writer."""
 
@@ -117,7 +156,14 @@ class DecodeRelay:
     ) -> None:
         self._client = client
         self._first_byte_limit = first_byte_limit
-        self._stream_timeout = stream_timeout
+        # The transport bounds connect, write and pool; the idle limit between reads is ours.
+        self._idle_limit: float | None = stream_timeout.read
+        self._stream_timeout = httpx.Timeout(
+            connect=stream_timeout.connect,
+            read=None,
+            write=stream_timeout.write,
+            pool=stream_timeout.pool,
+        )
         self._max_buffered_bytes = max_buffered_bytes
         #: Test-only: reproduce the historic bug (decode load released when headers arrive).
         self._release_at_headers = release_at_headers
@@ -171,7 +217,11 @@ class DecodeRelay:
             return
         try:
             try:
-                await self._pump(req, attempt, call, resp, head, buffer)
+                idle = IdleDeadline(self._idle_limit)
+                with idle.scope:
+                    await self._pump(req, attempt, call, resp, head, buffer, idle)
+                if idle.scope.cancelled_caught:
+                    raise idle.timeout(request)
             finally:
                 # Released before the response closes: closing may await (a clean EOF returns
                 # the connection to the pool), and load must not wait for that.
@@ -197,6 +247,7 @@ class DecodeRelay:
         resp: httpx.Response,
         head: _Head,
         buffer: RelayBuffer,
+        idle: IdleDeadline,
     ) -> None:
         ep = call.endpoint
         if resp.status_code != 200:
@@ -215,7 +266,8 @@ class DecodeRelay:
         head.open(with_default(passed_on(resp.headers), b"content-type", b"text/event-stream"))
         framer = EventFramer()
         taken = False
-        async for chunk in resp.aiter_raw():
+        async for chunk in body_chunks(resp):
+            idle.touch()
             data = framer.feed(chunk)
             if data:
                 if not taken and req.inf.route.error_marker not in data:

@@ -11,6 +11,6 @@ the per-origin pool and `_connection` for one h11 connection.
 """
 
 from ._connection import RECEIVE_SIZE
-from ._transport import H11ResponseStream, H11Transport
+from ._transport import H11ResponseStream, H11Transport, body_chunks
 
-__all__ = ["RECEIVE_SIZE", "H11ResponseStream", "H11Transport"]
+__all__ = ["RECEIVE_SIZE", "H11ResponseStream", "H11Transport", "body_chunks"]

@@ -6,7 +6,9 @@ The contract, in plain primitives:
 * `send_request(request, ...)` writes one request: head, body, end of message.
 * `receive_response_head(request, ...)` returns the `h11.Response` of that request.
 * `next_body_chunk(request, ...)` returns the next piece of the body, or `None` at its
-  clean end; a body that stops short raises, it never looks like a clean end.
+  clean end; a body that stops short raises, it never looks like a clean end. A chunked body
+  (every SSE stream) is de-chunked by `ChunkedBody` rather than h11, one socket read at a time:
+  h11 parses the head, then hands over what it buffered past it (`trailing_data`).
 * `finish_cycle()` says whether the connection may carry another request (and arms h11 for
   it); `close()` drops the socket at once.
 
@@ -38,6 +40,8 @@ import h11
 import httpx
 import trio
 
+from ._chunked import ChunkedBody, ChunkedError
+
 __all__ = ["RECEIVE_SIZE", "H11Connection"]
 
 # One socket read. Large enough that a burst of SSE events arrives as one chunk (fewer
@@ -52,11 +56,26 @@ _IO_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 class H11Connection:
     """One HTTP/1.1 connection to one origin, used by one request at a time."""
 
-    __slots__ = ("_h11", "_stream", "closed", "idle_since", "response_started")
+    __slots__ = (
+        "_chunked",
+        "_h11",
+        "_keep_alive",
+        "_pending",
+        "_stream",
+        "closed",
+        "idle_since",
+        "response_started",
+    )
 
     def __init__(self, stream: trio.SocketStream) -> None:
         self._stream = stream
         self._h11 = h11.Connection(our_role=h11.CLIENT)
+        # A chunked response body is read with this instead of h11 (None: h11 reads it);
+        # _pending holds the body bytes h11 had buffered past the head, _keep_alive whether
+        # both sides allow another request on this connection afterwards.
+        self._chunked: ChunkedBody | None = None
+        self._pending = b""
+        self._keep_alive = False
         self.closed = False
         # trio.current_time() when the pool last put the connection on its idle list.
         self.idle_since = 0.0
@@ -138,8 +157,14 @@ class H11Connection:
     # -- receiving -----------------------------------------------------------------------
 
     async def _receive(self, read_timeout: float | None, request: httpx.Request) -> bool:
-        """One socket read fed to h11. Returns False at EOF. The timeout bounds this read only,
-        so a slow stream with steady chunks never times out as a whole."""
+        """One socket read fed to h11. Returns False at EOF."""
+        data = await self._read(read_timeout, request)
+        self._h11.receive_data(data)
+        return bool(data)
+
+    async def _read(self, read_timeout: float | None, request: httpx.Request) -> bytes:
+        """One socket read (``b""`` at EOF). The timeout bounds this read only, so a slow
+        stream with steady chunks never times out as a whole."""
         try:
             if read_timeout is None:
                 data = await self._stream.receive_some(RECEIVE_SIZE)
@@ -154,8 +179,7 @@ class H11Connection:
             raise httpx.ReadError(f"read failed: {exc!r}", request=request) from exc
         if data:
             self.response_started = True
-        self._h11.receive_data(data)
-        return bool(data)
+        return data
 
     def _next_event(
         self, request: httpx.Request
@@ -178,6 +202,7 @@ class H11Connection:
                         "server disconnected without sending a response", request=request
                     )
             elif type(event) is h11.Response:
+                self._take_over_chunked_body(request, event)
                 return event
             elif type(event) is h11.InformationalResponse:
                 continue  # 100 Continue and friends: the real head follows
@@ -191,6 +216,8 @@ class H11Connection:
     ) -> bytes | None:
         """The bytes of the next h11 Data event (one per decoded socket read, not re-buffered),
         or None at the end of the body."""
+        if self._chunked is not None:
+            return await self._next_chunked(self._chunked, request, read_timeout)
         while True:
             event = self._next_event(request)
             if type(event) is h11.Data:
@@ -208,11 +235,58 @@ class H11Connection:
                     f"unexpected event in the response body: {event!r}", request=request
                 )
 
+    def _take_over_chunked_body(self, request: httpx.Request, head: h11.Response) -> None:
+        """After h11 parsed ``head``: if a chunked body follows, read it with `ChunkedBody`."""
+        if head.status_code in (204, 304) or request.method == "HEAD":
+            return
+        if not any(name == b"transfer-encoding" for name, _ in head.headers):
+            return  # Content-Length or close-delimited: h11 reads it
+        self._chunked = ChunkedBody()
+        self._pending = self._h11.trailing_data[0]
+        self._keep_alive = head.http_version == b"1.1" and not any(
+            b"close" in value.lower()
+            for headers in (head.headers, request.headers.raw)
+            for name, value in headers
+            if name.lower() == b"connection"
+        )
+
+    async def _next_chunked(
+        self, body: ChunkedBody, request: httpx.Request, read_timeout: float | None
+    ) -> bytes | None:
+        data, self._pending = self._pending, b""
+        while True:
+            if data:
+                try:
+                    out = body.feed(data)
+                except ChunkedError as exc:
+                    raise httpx.RemoteProtocolError(str(exc), request=request) from exc
+                if out:
+                    return out
+            if body.done:
+                return None
+            data = await self._read(read_timeout, request)
+            if not data:
+                raise httpx.RemoteProtocolError(
+                    "peer closed connection without sending complete message body: "
+                    "incomplete chunked read",
+                    request=request,
+                )
+
     # -- lifecycle -----------------------------------------------------------------------
 
     def finish_cycle(self) -> bool:
         """After the body's end: True (and h11 is ready for the next request) if the connection
         can be reused; False if it must be closed (Connection: close, HTTP/1.0, extra bytes)."""
+        body = self._chunked
+        if body is not None:
+            # h11 stopped at the head: start the next cycle on a fresh h11 state machine.
+            self._chunked = None
+            if not (body.done and self._keep_alive) or body.extra:
+                return False
+            if self._h11.our_state is not h11.DONE:
+                return False
+            self._h11 = h11.Connection(our_role=h11.CLIENT)
+            return True
         h = self._h11
         if h.our_state is not h11.DONE or h.their_state is not h11.DONE:
             return False

@@ -28,6 +28,7 @@ ReadError, WriteError, RemoteProtocolError (including a body cut short), LocalPr
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import h11
@@ -36,7 +37,25 @@ import httpx
 from ._connection import H11Connection
 from ._pool import HostPool
 
-__all__ = ["H11ResponseStream", "H11Transport"]
+__all__ = ["H11ResponseStream", "H11Transport", "body_chunks"]
+
+# The response extension under which the transport hands out its own body stream.
+_STREAM = "trio_pdrouter.stream"
+
+
+def body_chunks(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The body of a streamed ``response``, chunk by chunk, as ``aiter_raw()`` gives it.
+
+    When the response came from an `H11Transport` this is the transport's own stream, read
+    directly: no httpx wrapper objects per chunk (its async generators and byte chunker).
+    Closing is unchanged: ``response.aclose()`` still reaches the stream. Any other transport
+    (tests' ``httpx.MockTransport``) gets ``aiter_raw()``.
+    """
+    stream = response.extensions.get(_STREAM)
+    if isinstance(stream, H11ResponseStream) and not response.is_stream_consumed:
+        response.is_stream_consumed = True
+        return stream
+    return response.aiter_raw()
 
 
 def _may_resend(request: httpx.Request, sent: bool, response_started: bool) -> bool:
@@ -232,11 +251,16 @@ class H11Transport(httpx.AsyncBaseTransport):
         head: h11.Response,
         read_timeout: float | None,
     ) -> httpx.Response:
+        stream = H11ResponseStream(conn, pool, request, read_timeout)
         return httpx.Response(
             status_code=head.status_code,
             headers=head.headers.raw_items(),
-            stream=H11ResponseStream(conn, pool, request, read_timeout),
-            extensions={"http_version": b"HTTP/" + head.http_version, "reason_phrase": head.reason},
+            stream=stream,
+            extensions={
+                "http_version": b"HTTP/" + head.http_version,
+                "reason_phrase": head.reason,
+                _STREAM: stream,
+            },
         )
 
     async def aclose(self) -> None:
