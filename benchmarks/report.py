@@ -18,7 +18,7 @@ import orjson
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 REPORT = HERE / "report.md"
-SCENARIOS = ("routing", "paced", "overhead", "relay", "memory", "radix_tree")
+SCENARIOS = ("routing", "paced", "overhead", "relay", "memory", "radix_tree", "cluster")
 
 
 def latest(scenario: str) -> tuple[Path, dict[str, Any]] | None:
@@ -403,6 +403,42 @@ def _radix(data: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def _cluster(data: dict[str, Any]) -> list[str]:
+    e = data["error"]
+    out = [
+        "## 6. Cluster view across replicas",
+        "",
+        "One sync round trip (publish own snapshot, read 3 peers') to a local redis-server:",
+        "",
+    ]
+    out += _table(
+        ["client", "wall µs", "CPU µs", "CPU ms per s at --cluster-sync-ms 50"],
+        [
+            [name, _f(r["wall_us"]), _f(r["cpu_us"]), _f(r["cpu_ms_per_s_at_50ms"], 2)]
+            for name, r in data["exchange"].items()
+        ],
+    )
+    out += [
+        "",
+        f"Peers' counts added to one routing choice (8 candidates, 3 peers): "
+        f"{_f(data['choice']['add_to_us'], 2)} µs.",
+        "",
+        f"Two replicas (sync 50 ms), {e['streams']} token-paced streams ({e['tokens']} tokens at"
+        f" {_f(e['itl_ms'], 0)} ms) through both, {e['samples']} samples of replica 1's view"
+        f" every 100 ms; error = |view - engine running+waiting| of the worst decode endpoint"
+        f" ({_f(e['req_per_s'])} req/s, {e['failed']} failed):",
+        "",
+    ]
+    out += _table(
+        ["view", "error p50", "error p99"],
+        [
+            ["cluster (own + peers)", _f(e["cluster_p50"], 0), _f(e["cluster_p99"], 0)],
+            ["own counts only", _f(e["own_only_p50"], 0), _f(e["own_only_p99"], 0)],
+        ],
+    )
+    return [*out, ""]
+
+
 def write_report(command: str) -> Path:
     """Regenerate ``report.md`` and the charts from the newest results of each scenario."""
     parts: list[str] = [
@@ -432,6 +468,8 @@ def write_report(command: str) -> Path:
             parts += _relay(path, data)
         elif scenario == "memory":
             parts += _memory(data)
+        elif scenario == "cluster":
+            parts += _cluster(data)
         else:
             parts += _radix(data)
     parts += ["Sources: " + ", ".join(sources), ""]

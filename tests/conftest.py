@@ -22,6 +22,8 @@ import pytest
 import trio
 from hypothesis import HealthCheck, settings
 
+from .redis_server import RedisServer
+
 settings.register_profile(
     "ci",
     deadline=None,
@@ -46,3 +48,15 @@ async def background() -> AsyncIterator[trio.Nursery]:
     async with trio.open_nursery() as nursery:
         yield nursery
         nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+async def redis_server() -> AsyncIterator[RedisServer]:
+    """A real Redis on 127.0.0.1 (see :mod:`tests.redis_server`), killed when the test ends."""
+    server = RedisServer()
+    await server.start()
+    try:
+        yield server
+    finally:
+        with trio.CancelScope(shield=True):
+            await server.aclose()

@@ -6,7 +6,8 @@ from typing import Any
 import attrs
 import pytest
 
-from trio_pdrouter.config import ConfigError, RouterConfig, Timeouts
+from trio_pdrouter.cli import parse_config
+from trio_pdrouter.config import ClusterSettings, ConfigError, RouterConfig, Timeouts
 from trio_pdrouter.policies import PolicySettings
 
 VALID = RouterConfig(worker_urls=("http://w:1",))
@@ -59,6 +60,9 @@ def test_evolve_validates() -> None:
         (lambda: Timeouts(idle=-1.0), "--decode-idle-timeout-secs must be positive"),
         (lambda: PolicySettings(cache_threshold=1.5), "--cache-threshold must be between 0.0"),
         (lambda: PolicySettings(max_tree_size=0), "--max-tree-size must be positive"),
+        (lambda: ClusterSettings(url="http://r:6379"), "--cluster-url must start with redis://"),
+        (lambda: ClusterSettings(sync_ms=0), "--cluster-sync-ms must be positive"),
+        (lambda: ClusterSettings(replica_id=""), "--replica-id must not be empty"),
     ],
 )
 def test_invalid_nested_settings_cannot_be_built(build: Any, message: str) -> None:
@@ -69,3 +73,17 @@ def test_invalid_nested_settings_cannot_be_built(build: Any, message: str) -> No
 def test_unset_optional_settings_are_valid() -> None:
     t = Timeouts(request=5.0)
     assert (t.prefill_limit, t.first_byte_limit, t.idle_limit) == (5.0, 5.0, 5.0)
+
+
+def test_cluster_flags_set_the_cluster_view_and_its_timings() -> None:
+    off = parse_config(["--worker-urls", "http://w:1"])
+    assert off.cluster.url is None
+    cluster = ["--cluster-url", "rediss://u:p@r:6380/2", "--cluster-sync-ms", "100"]
+    on = parse_config(["--worker-urls", "http://w:1", "--port", "8100", *cluster])
+    assert on.cluster.url == "rediss://u:p@r:6380/2"
+    assert (on.cluster.interval, on.cluster.ttl) == (0.1, 0.5)
+    slow = parse_config(["--worker-urls", "http://w:1", "--cluster-sync-ms", "200"])
+    assert slow.cluster.ttl == 0.8
+    assert on.cluster.replica(on.server.port).endswith(":8100")
+    named = attrs.evolve(on.cluster, replica_id="east-1")
+    assert named.replica(8100) == "east-1"

@@ -53,7 +53,7 @@ def rig(dp_size: int = 1) -> Rig:
         )
         for role in (Role.PREFILL, Role.DECODE)
     }
-    routing = Routing(policies, ledger, (health.is_healthy,))
+    routing = Routing(policies, ledger, (health.is_healthy,), None)
     fleet = Fleet(dp_size=dp_size, routing=routing, ledger=ledger, health=health, breakers=breakers)
     return Rig(fleet, routing, ledger, health, breakers)
 
@@ -171,8 +171,8 @@ def test_the_proxy_cannot_be_built_without_a_reclaimer() -> None:
             routing=r.routing,
             admission=Admission(AdmissionSettings()),
             outcomes=r.breakers,
-            prefill=PrefillLeg(client, 1.0, None),
-            buffered=BufferedDecode(client, 1.0),
+            prefill=PrefillLeg(client, 1.0, None, 1 << 20),
+            buffered=BufferedDecode(client, 1.0, 1 << 20),
             relay=DecodeRelay(
                 client,
                 first_byte_limit=1.0,

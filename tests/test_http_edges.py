@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 import trio
+import trio.testing
 
 from .harness import PREFILL_ANSWER, REQUEST, call, json_response, make_app, pd_config, streaming
 
@@ -69,3 +70,24 @@ async def test_without_the_key_no_route_can_be_told_apart(background: trio.Nurse
         ex = await call(app, method, path)
         assert ex.status == 401, (method, path)
     assert (await call(app, "GET", "/health")).status == 200
+
+
+async def test_an_answer_past_the_cap_is_a_502_not_a_memory_spike(
+    background: trio.Nursery,
+) -> None:
+    async def huge(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "prefill":
+            return json_response(PREFILL_ANSWER)
+        response, body = streaming(status=500, content_type="application/json")
+        for _ in range(20):
+            body.push(b"x" * 1000)
+        body.end()
+        return response
+
+    config = pd_config(max_upstream_answer_bytes=4096, max_buffered_bytes=4096)
+    app, upstream = make_app(config, huge, background)
+    for request in ({"prompt": "x"}, REQUEST):  # buffered, then a stream's error body
+        ex = await call(app, "POST", "/v1/completions", request)
+        assert ex.status == 502 and "larger than 4096 bytes" in ex.json()["error"]["message"]
+    await trio.testing.wait_all_tasks_blocked()  # the KV reclaims (background) end too
+    assert all(body.closed and not body.read_to_end for body in upstream.bodies)

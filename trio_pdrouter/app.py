@@ -19,6 +19,7 @@ import trio
 from . import errors, pd, sampling
 from .asgi import Downstream, Receive, Reply, Scope, Send, answer_lifespan
 from .config import RouterConfig
+from .cors import Cors, origin_of
 from .endpoints import Role
 from .engine_truth import EngineTruth
 from .errors import RouterError
@@ -26,18 +27,19 @@ from .fleet import DuplicateServer, Fleet
 from .health import HealthBoard
 from .load import LoadLedger
 from .metrics import CONTENT_TYPE, RouterMetrics
+from .peers import PeerLoads, cluster_view
 from .policies.routing_key import routing_key
 from .proxy import Proxy
 from .record import RequestRecord, access_line
 from .request import Inference
+from .routes import ROUTES, Route
 from .routing import Routing
 
 log = logging.getLogger("trio_pdrouter.access")
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-INFERENCE_ROUTES = ("/v1/completions", "/v1/chat/completions")
-OPEN_ROUTES = frozenset({"/health", "/liveness", "/readiness"})
+OPEN_ROUTES = frozenset({"/health", "/healthcheck", "/liveness", "/readiness"})
 WORKER_PREFIX = "/workers/"
 #: orjson parses JSON nested ~1000 deep but serialises only 255 levels; no OpenAI request nests
 #: beyond a handful, so anything deeper is refused before it is charged or forwarded.
@@ -55,7 +57,8 @@ class RouterApp:
 
     Every collaborator is given here: the fleet (servers), routing (candidates), the ledger
     (``/get_loads``), the proxy (inference), the upstream client (``/v1/models``), metrics,
-    the health board, and engine truth (None when ``--engine-metrics-interval`` is 0).
+    the health board, engine truth (None when ``--engine-metrics-interval`` is 0) and the
+    peers' loads (None without ``--cluster-url``).
     """
 
     def __init__(
@@ -70,8 +73,10 @@ class RouterApp:
         metrics: RouterMetrics,
         health: HealthBoard,
         engine_truth: EngineTruth | None,
+        peers: PeerLoads | None,
     ) -> None:
         self._config = config
+        self._cors = Cors(config.cors_allowed_origins)
         self.fleet = fleet
         self.routing = routing
         self.ledger = ledger
@@ -82,8 +87,11 @@ class RouterApp:
         self.health = health
         #: The engines' own counts, when --engine-metrics-interval is not 0.
         self.engine_truth = engine_truth
+        #: The other replicas' latest loads, when --cluster-url is set.
+        self.peers = peers
         self.routes: dict[str, dict[str, Handler]] = {
             "/health": {"GET": self._health},
+            "/healthcheck": {"GET": self._health},  # vLLM's PD proxy example serves this one
             "/liveness": {"GET": self._health},
             "/readiness": {"GET": self._readiness},
             "/get_loads": {"GET": self._get_loads},
@@ -91,7 +99,7 @@ class RouterApp:
             "/v1/models": {"GET": self._models},
             "/metrics": {"GET": self._metrics},
         }
-        for path in INFERENCE_ROUTES:
+        for path in ROUTES:
             self.routes[path] = {"POST": self._inference}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -100,6 +108,12 @@ class RouterApp:
             return
         if scope["type"] != "http":
             return
+        origin = origin_of(scope)
+        if origin is not None:  # a browser: answer its preflight, or add CORS headers
+            if self._cors.is_preflight(scope):
+                await _reply(send, self._cors.preflight(origin))
+                return
+            send = self._cors.on_response(origin, send)
         path: str = scope["path"]
         key = self._config.api_key
         # Before the route is looked up: without the key, every route answers 401 alike, so
@@ -187,13 +201,14 @@ class RouterApp:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise BadRequest(errors.bad_request(f"request body is not valid JSON: {exc}")) from None
-        path: str = scope["path"]
-        _validate(path, body)
+        route = ROUTES[scope["path"]]
+        _validate(route, body)
         if _nested_deeper_than(body, MAX_JSON_DEPTH):
             raise BadRequest(errors.bad_request(f"JSON nested deeper than {MAX_JSON_DEPTH} levels"))
         stream = body.get("stream", False)
         return Inference(
-            path=path,
+            path=route.path,
+            route=route,
             body=body,
             headers=headers,
             stream=stream,
@@ -220,6 +235,8 @@ class RouterApp:
         if truth is not None:  # beside the integer maps, so existing readers are unaffected
             loads["engine"] = truth.engine_totals()
             loads["drift"] = dict(truth.drift)
+        if self.peers is not None:
+            loads["cluster"] = cluster_view(self.ledger.snapshot(), self.peers)
         await _reply(send, Reply.json(orjson.dumps(loads)))
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -304,15 +321,16 @@ def _nested_deeper_than(value: Any, limit: int) -> bool:
     return False
 
 
-def _validate(path: str, body: Any) -> None:
+def _validate(route: Route, body: Any) -> None:
     if not isinstance(body, dict):
         raise BadRequest(errors.bad_request("request body must be a JSON object"))
-    if path == "/v1/chat/completions":
+    if "messages" in route.required:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest(errors.bad_request("'messages' must be a non-empty list", "messages"))
-    elif "prompt" not in body or body["prompt"] in (None, "", []):
-        raise BadRequest(errors.bad_request("'prompt' is required", "prompt"))
+    for name in route.required:
+        if body.get(name) in (None, "", [], {}):
+            raise BadRequest(errors.bad_request(f"'{name}' is required", name))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(errors.bad_request("'stream' must be a boolean", "stream"))

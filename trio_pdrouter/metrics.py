@@ -201,6 +201,29 @@ class RouterMetrics:
             registry=r,
         )
 
+        self.cluster_sync_errors = Counter(
+            p + "cluster_sync_errors",
+            "Failed exchanges with the cluster store (--cluster-url): unreachable, timed out or"
+            " a bad reply. While they fail the router routes on its own counts only.",
+            registry=r,
+        )
+        self.cluster_store_up = Gauge(
+            p + "cluster_store_up",
+            "1 if the last exchange with the cluster store succeeded, else 0.",
+            registry=r,
+        )
+        self.cluster_peers = Gauge(
+            p + "cluster_peers",
+            "Other replicas whose load snapshot the last exchange returned (live peers).",
+            registry=r,
+        )
+        self.cluster_sync_duration = Histogram(
+            p + "cluster_sync_duration_seconds",
+            "Time of one exchange with the cluster store (publish own loads, read the peers').",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+            registry=r,
+        )
+
     # -- fed by the router itself --------------------------------------------------------------
 
     def watch_ledger(self, ledger: LoadLedger, endpoints: list[Endpoint]) -> None:
@@ -256,6 +279,15 @@ class RouterMetrics:
         self.engine_scrape_errors.labels(url).inc()
 
     # -- hooks for the resilience and routing machinery ----------------------------------------
+
+    def cluster_synced(self, peers: int, seconds: float) -> None:
+        self.cluster_store_up.set(1)
+        self.cluster_peers.set(peers)
+        self.cluster_sync_duration.observe(seconds)
+
+    def cluster_sync_failed(self) -> None:
+        self.cluster_sync_errors.inc()
+        self.cluster_store_up.set(0)
 
     def breaker_state(self, endpoint: str, state: str) -> None:
         """``endpoint``'s breaker entered ``state``: one of :data:`BREAKER_STATES`.

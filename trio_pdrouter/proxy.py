@@ -183,6 +183,9 @@ class Proxy:
         if not self._config.pd:
             lease, decode = self._routing.lease_one(Role.REGULAR, key, avoid_urls)
             return Attempt(number, None, decode, lease, rid)
+        if not req.inf.route.split:  # nothing to generate, nothing to split: one decode server
+            lease, decode = self._routing.lease_one(Role.DECODE, key, avoid_urls)
+            return Attempt(number, None, decode, lease, rid)
         last = req.attempt
         if last is not None and last.prefill is not None and req.life.kv is KvOwner.PREFILL:
             lease, decode = self._routing.lease_one(Role.DECODE, key, avoid_urls)

@@ -27,6 +27,7 @@ from .load import Lease
 from .outcomes import LegFailure, Verdict
 from .policies import RoutingKey
 from .record import RequestRecord
+from .routes import Route
 
 
 @attrs.frozen
@@ -34,6 +35,7 @@ class Inference:
     """A parsed and validated client request."""
 
     path: str
+    route: Route
     body: dict[str, Any]
     headers: Mapping[str, str]
     stream: bool
@@ -208,7 +210,7 @@ class Request:
         error = errors.shutting_down()
         if self.life.streaming_started:
             return Reply.tail(sse.error_event(error))
-        return Reply.error(error, [(b"retry-after", b"1")])
+        return Reply.error(error)
 
     def crashed(self) -> None:
         self.life.step(Event.CRASH)

@@ -4,7 +4,9 @@
 role, and the checks that say which may take traffic. :meth:`Routing.lease_pd` and
 :meth:`Routing.lease_one` read the ledger, ask the policies, and charge the chosen endpoints
 without an await in between, so concurrent arrivals always see each other's load and a
-cancellation can never fall between choice and charge.
+cancellation can never fall between choice and charge. With a cluster view (``--cluster-url``)
+the policies see this replica's exact counts plus the peers' latest snapshots, read from memory
+(:class:`~.peers.PeerLoads`), so choosing stays synchronous.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 from .endpoints import Endpoint, Role
 from .load import Lease, LoadLedger
+from .peers import PeerLoads
 from .policies import Policy, RoutingKey
 
 
@@ -30,14 +33,20 @@ class Routing:
     """The policies of the stages over their endpoints (see the module doc).
 
     ``policies`` names the roles of this mode (prefill and decode, or regular); ``admits`` are
-    the checks every candidate must pass. The endpoint lists start empty and change only through
-    :meth:`set_endpoints`, which the fleet calls.
+    the checks every candidate must pass; ``peers``, when given, adds the other replicas' loads
+    to this one's in every choice (charges still go to this replica's ledger only). The endpoint
+    lists start empty and change only through :meth:`set_endpoints`, which the fleet calls.
     """
 
     def __init__(
-        self, policies: Mapping[Role, Policy], ledger: LoadLedger, admits: Sequence[Admits]
+        self,
+        policies: Mapping[Role, Policy],
+        ledger: LoadLedger,
+        admits: Sequence[Admits],
+        peers: PeerLoads | None,
     ) -> None:
         self._ledger = ledger
+        self._peers = peers
         self._policies = dict(policies)
         self._admits = tuple(admits)
         self._endpoints: dict[Role, tuple[Endpoint, ...]] = {role: () for role in policies}
@@ -68,7 +77,10 @@ class Routing:
             candidates = [ep for ep in candidates if ep.url not in avoid_urls] or candidates
         if not candidates:
             raise NoHealthyEndpoint(role)
-        return self._policies[role].choose(candidates, self._ledger.loads(candidates), key)
+        loads = self._ledger.loads(candidates)
+        if self._peers is not None:
+            loads = self._peers.add_to(loads)
+        return self._policies[role].choose(candidates, loads, key)
 
     def lease_pd(
         self, key: RoutingKey, avoid_urls: Collection[str] = ()

@@ -20,17 +20,22 @@ from hypercorn.typing import Framework
 from .admission import Admission
 from .app import RouterApp
 from .breaker import Breakers
-from .config import RouterConfig
+from .cluster_sync import ClusterSync, connect, exchange_timeout
+from .config import ClusterSettings, RouterConfig
+from .endpoints import normalize_url
 from .engine_truth import EngineTruth
 from .fleet import Fleet
 from .health import HealthBoard
 from .legs import BufferedDecode, PrefillLeg
 from .load import LoadLedger
 from .metrics import MetricsApp, RouterMetrics
+from .peers import PeerLoads
 from .policies import make_policy
 from .proxy import Proxy
+from .rate_limit import TokenBucket
 from .relay import DecodeRelay
 from .routing import Routing
+from .startup import wait_until_healthy
 from .stranded import KvReclaimer
 from .upstream import make_client, stream_timeout
 
@@ -129,8 +134,21 @@ def build_app(
         )
         for role in config.servers()
     }
+    peers = None
+    if config.cluster.url is not None:
+        cluster = config.cluster
+        # Peers' counts hold for an expiry plus one exchange's time limit without news: longer
+        # and the sync loop has stopped (a failed exchange forgets them at once anyway).
+        peers = PeerLoads(
+            cluster.replica(config.server.port),
+            cluster.ttl + exchange_timeout(cluster.ttl),
+            trio.current_time,
+        )
     routing = Routing(
-        policies, ledger, (health.is_healthy, lambda ep: breakers.admits(ep, trio.current_time()))
+        policies,
+        ledger,
+        (health.is_healthy, lambda ep: breakers.admits(ep, trio.current_time())),
+        peers,
     )
     fleet = Fleet(
         dp_size=config.dp_size, routing=routing, ledger=ledger, health=health, breakers=breakers
@@ -140,7 +158,11 @@ def build_app(
             fleet.add(url, role, serving=True)
     metrics.watch_ledger(ledger, fleet.endpoints())
 
-    admission = Admission(config.admission)
+    rate = config.admission.rate_limit_tokens_per_second
+    bucket = None
+    if rate is not None:
+        bucket = TokenBucket(config.admission.max_concurrent_requests, rate, trio.current_time())
+    admission = Admission(config.admission, bucket)
     metrics.watch_admission(lambda: admission.queued)
     t = config.timeouts
     proxy = Proxy(
@@ -148,8 +170,10 @@ def build_app(
         routing=routing,
         admission=admission,
         outcomes=breakers,
-        prefill=PrefillLeg(client, t.prefill_limit, config.upstream_api_key),
-        buffered=BufferedDecode(client, t.first_byte_limit),
+        prefill=PrefillLeg(
+            client, t.prefill_limit, config.upstream_api_key, config.max_upstream_answer_bytes
+        ),
+        buffered=BufferedDecode(client, t.first_byte_limit, config.max_upstream_answer_bytes),
         relay=DecodeRelay(
             client,
             first_byte_limit=t.first_byte_limit,
@@ -182,6 +206,7 @@ def build_app(
         metrics=metrics,
         health=health,
         engine_truth=truth,
+        peers=peers,
     )
 
 
@@ -202,6 +227,9 @@ async def run_router(
 ) -> None:
     """Serve until ``shutdown_trigger`` returns (or forever); report a :class:`RunningRouter`.
 
+    First waits for the configured servers to be healthy (:mod:`.startup`); raises
+    :class:`~.startup.StartupTimeout` when they are not in time.
+
     Shutdown: once the trigger returns, the router stops accepting connections and lets the
     requests in flight finish for ``--graceful-timeout-secs``; then it ends each one whose
     answer is not decided (a stream with an error event and ``[DONE]``, anything else with a
@@ -210,43 +238,60 @@ async def run_router(
     hold sends that nothing can cancel.
     """
     close_connections_when_clients_leave()
-    async with make_client(config) as client, trio.open_nursery() as nursery:
-        app = build_app(config, client, nursery)
-        nursery.start_soon(
-            _maintain_policies, app.routing, config.policy_settings.eviction_interval_secs
+    async with make_client(config) as client:
+        urls = [url for urls in config.servers().values() for url in urls]
+        await wait_until_healthy(client, [normalize_url(url) for url in urls], config.health)
+        async with trio.open_nursery() as nursery:
+            await _run(config, client, nursery, shutdown_trigger, exit_by_deadline, task_status)
+
+
+async def _run(
+    config: RouterConfig,
+    client: httpx.AsyncClient,
+    nursery: trio.Nursery,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None,
+    exit_by_deadline: bool,
+    task_status: trio.TaskStatus[RunningRouter],
+) -> None:
+    """The router over ``client``, its background work in ``nursery``, until shutdown."""
+    app = build_app(config, client, nursery)
+    nursery.start_soon(
+        _maintain_policies, app.routing, config.policy_settings.eviction_interval_secs
+    )
+    if app.engine_truth is not None:
+        nursery.start_soon(app.engine_truth.run)
+    if config.health.interval_secs > 0:
+        await nursery.start(app.health.run, client)
+    if app.peers is not None:
+        await nursery.start(_sync_cluster, config.cluster, app)
+    metrics_url = None
+    if config.prometheus_port is not None:
+        metrics_binds: list[str] = await nursery.start(
+            _serve_metrics, config, config.prometheus_port, app.metrics
         )
-        if app.engine_truth is not None:
-            nursery.start_soon(app.engine_truth.run)
-        if config.health.interval_secs > 0:
-            await nursery.start(app.health.run, client)
-        metrics_url = None
-        if config.prometheus_port is not None:
-            metrics_binds: list[str] = await nursery.start(
-                _serve_metrics, config, config.prometheus_port, app.metrics
-            )
-            metrics_url = metrics_binds[0]
+        metrics_url = metrics_binds[0]
 
-        trigger = None
-        if shutdown_trigger is not None:
-            inner = shutdown_trigger
+    trigger = None
+    if shutdown_trigger is not None:
+        inner = shutdown_trigger
 
-            async def trigger() -> None:
-                await inner()
-                deadline = config.server.graceful_timeout
-                nursery.start_soon(_end_requests_at, app, deadline, exit_by_deadline)
+        async def trigger() -> None:
+            await inner()
+            deadline = config.server.graceful_timeout
+            nursery.start_soon(_end_requests_at, app, deadline, exit_by_deadline)
 
-        async def _serve(task_status: trio.TaskStatus[list[str]]) -> None:
-            await serve(
-                cast(Framework, app),
-                hypercorn_config(config),
-                shutdown_trigger=trigger,
-                task_status=task_status,
-            )
-            nursery.cancel_scope.cancel()
+    async def _serve(task_status: trio.TaskStatus[list[str]]) -> None:
+        await serve(
+            cast(Framework, app),
+            hypercorn_config(config),
+            shutdown_trigger=trigger,
+            task_status=task_status,
+        )
+        nursery.cancel_scope.cancel()
 
-        binds: list[str] = await nursery.start(_serve)
-        log.info("listening=%s mode=%s", binds[0], "pd" if config.pd else "regular")
-        task_status.started(RunningRouter(binds[0], app.ledger, app, metrics_url))
+    binds: list[str] = await nursery.start(_serve)
+    log.info("listening=%s mode=%s", binds[0], "pd" if config.pd else "regular")
+    task_status.started(RunningRouter(binds[0], app.ledger, app, metrics_url))
 
 
 async def _end_requests_at(app: RouterApp, deadline: float, exit_by_deadline: bool) -> None:
@@ -281,6 +326,27 @@ async def _serve_metrics(
     )
     hc = hypercorn_config(attrs.evolve(config, server=server))
     await serve(cast(Framework, MetricsApp(metrics)), hc, task_status=task_status)
+
+
+async def _sync_cluster(
+    settings: ClusterSettings, app: RouterApp, task_status: trio.TaskStatus[None]
+) -> None:
+    """Share loads with the other replicas until cancelled; started once the first exchange
+    has been tried (so the first requests already see the peers, when the store is up)."""
+    assert settings.url is not None and app.peers is not None
+    async with connect(settings.url, timeout=exchange_timeout(settings.ttl)) as store:
+        sync = ClusterSync(
+            store,
+            app.ledger.snapshot,
+            app.peers,
+            interval=settings.interval,
+            ttl=settings.ttl,
+            observer=app.metrics,
+        )
+        await sync.sync_once()
+        log.info("cluster replica=%s connected=%s", app.peers.replica, sync.connected)
+        task_status.started()
+        await sync.run()
 
 
 async def _maintain_policies(routing: Routing, interval: float) -> None:
