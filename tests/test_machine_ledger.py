@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+import random
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -23,6 +25,8 @@ from trio_pdrouter.endpoints import Endpoint, Role
 from trio_pdrouter.load import Lease
 from trio_pdrouter.machine_ledger import MachineLedger
 from trio_pdrouter.machine_table import MachineTable, TableFull
+from trio_pdrouter.policies import PolicySettings, RoutingKey, make_policy
+from trio_pdrouter.routing import Routing
 
 P = Endpoint("http://p:1", Role.PREFILL)
 D = [Endpoint("http://d:1", Role.DECODE, r) for r in range(2)]
@@ -207,3 +211,44 @@ class MachineLedgerMachine(RuleBasedStateMachine):
 
 
 TestMachineLedgerMachine = MachineLedgerMachine.TestCase
+
+
+def _waiting_on(path: str) -> bool:
+    """True once some process or thread waits for the flock on ``path`` (``/proc/locks``)."""
+    inode = os.stat(path).st_ino
+    with open("/proc/locks") as locks:
+        return any("->" in line and line.split()[6].endswith(f":{inode}") for line in locks)
+
+
+def test_another_worker_chooses_only_once_a_charging_worker_has_charged(
+    attach: Callable[[], MachineTable],
+) -> None:
+    """Two workers never both see an endpoint idle: a choose-and-charge in worker b waits for
+    the one worker a is in, and then sees a's charge."""
+    a = MachineLedger(attach(), 0, D)
+    b = MachineLedger(attach(), 1, D)
+    policy = make_policy(
+        "consistent_hash",  # a request with no key goes to the least-loaded endpoint
+        stage="decode",
+        settings=PolicySettings(),
+        on_decision=lambda stage, reason: None,
+        rng=random.Random(0),
+    )
+    routing_b = Routing({Role.DECODE: policy}, b, ())
+    routing_b.set_endpoints(Role.DECODE, D)
+    chosen: list[Endpoint] = []
+
+    def worker_b() -> None:
+        chosen.append(routing_b.lease_one(Role.DECODE, RoutingKey("", None))[1])
+
+    thread = threading.Thread(target=worker_b)
+    with a.charging():  # worker a has read the loads (all idle) and is about to charge D[0]
+        thread.start()
+        for _ in range(500):  # bounded poll of real state: b is blocked on the machine lock
+            if _waiting_on(a._table.lock_path):
+                break
+            thread.join(0.01)
+        assert not chosen, "worker b chose while worker a held the machine lock"
+        a.lease(D[0])
+    thread.join(10)
+    assert chosen == [D[1]]

@@ -66,7 +66,27 @@ def configure_logging(level: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     from .server import run_router, wait_for_signal
+    from .supervisor import WorkersKeepDying, supervise
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     config = parse_config(argv)
     configure_logging(config.log_level)
-    trio.run(lambda: run_router(config, shutdown_trigger=wait_for_signal))
+    if config.server.workers == 1:
+        trio.run(lambda: run_router(config, shutdown_trigger=wait_for_signal))
+        return
+    failure = ""
+    try:
+        trio.run(lambda: supervise(config, argv, wait_for_signal))
+    except* WorkersKeepDying as group:
+        failure = "; ".join(str(exc) for exc in _leaves(group))
+    if failure:
+        logging.getLogger("trio_pdrouter.supervisor").error("%s", failure)
+        sys.exit(1)
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    return [
+        leaf
+        for exc in group.exceptions
+        for leaf in (_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    ]

@@ -44,6 +44,10 @@ class MachineLedger(LoadLedger):
         for ep in endpoints:
             self.add_endpoint(ep)
 
+    @property
+    def table(self) -> MachineTable:
+        return self._table
+
     def add_endpoint(self, endpoint: Endpoint) -> None:
         if endpoint not in self._slots:
             self._slots[endpoint] = self._table.slot(slot_key(endpoint))

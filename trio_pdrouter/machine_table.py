@@ -4,8 +4,9 @@ Rules of this module (the layout and the only code that reads or writes it):
 
 * One ``multiprocessing.shared_memory`` block holds a header, an endpoint table and the cells::
 
-      header   HEADER_CELLS int64: magic, rows, slots, columns, fleet generation, spare...
+      header   HEADER_CELLS int64: magic, rows, slots, columns, server changes logged, spare...
       keys     slots x KEY_BYTES: the endpoint owning each slot ("role key", utf-8; empty = free)
+      changes  LOG_ENTRIES x ENTRY_BYTES: the runtime server changes, in order (utf-8 text)
       cells    rows x slots x columns int64
 
   A slot is one endpoint; its columns are :data:`COUNT` and :data:`PENDING` (what
@@ -19,6 +20,9 @@ Rules of this module (the layout and the only code that reads or writes it):
   kernel releases if its holder dies. Routing holds it around the synchronous choose-and-charge,
   so no two workers choose from the same loads. Claiming a slot also takes it. It is reentrant
   within one process (a depth count), since flock on the same file description is not.
+* The change log is append-only, under the machine lock; its length is the fleet generation.
+  What an entry says is :class:`~trio_pdrouter.fleet.Fleet`'s business (``POST``/``DELETE
+  /workers`` in any worker append; every worker replays what it has not seen).
 * Slots are never freed: a removed server that comes back gets its old slot (its cells are zero
   once its leases are released). :data:`DEFAULT_SLOTS` bounds the endpoints a machine can see.
 """
@@ -36,6 +40,8 @@ HEADER_CELLS = 8
 _ROWS, _SLOTS, _COLUMNS, _GENERATION = 1, 2, 3, 4
 KEY_BYTES = 256
 DEFAULT_SLOTS = 1024
+ENTRY_BYTES = 512
+LOG_ENTRIES = 1024
 #: Columns of a slot: the in-flight count, the part of it charged but not yet sent (PENDING).
 COUNT, PENDING = 0, 1
 DEFAULT_COLUMNS = 4  # COUNT, PENDING and two spare (token-weight columns of a later issue)
@@ -57,7 +63,12 @@ def _buffer(shm: shared_memory.SharedMemory) -> memoryview:
 
 
 def _size(rows: int, slots: int, columns: int) -> int:
-    return 8 * HEADER_CELLS + slots * KEY_BYTES + 8 * rows * slots * columns
+    return (
+        8 * HEADER_CELLS
+        + slots * KEY_BYTES
+        + LOG_ENTRIES * ENTRY_BYTES
+        + 8 * rows * slots * columns
+    )
 
 
 class MachineTable:
@@ -77,8 +88,10 @@ class MachineTable:
         self._header = header
         self.rows, self.slots, self.columns = header[_ROWS], header[_SLOTS], header[_COLUMNS]
         keys_end = 8 * HEADER_CELLS + self.slots * KEY_BYTES
+        log_end = keys_end + LOG_ENTRIES * ENTRY_BYTES
         self._keys = buf[8 * HEADER_CELLS : keys_end]
-        self._cells = buf[keys_end : keys_end + 8 * self.rows * self.slots * self.columns].cast("q")
+        self._log = buf[keys_end:log_end]
+        self._cells = buf[log_end : log_end + 8 * self.rows * self.slots * self.columns].cast("q")
         self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         self._depth = 0
         self._slot_of: dict[str, int] = {}
@@ -175,16 +188,31 @@ class MachineTable:
 
     @property
     def generation(self) -> int:
-        """The fleet generation: bumped whenever the shared set of servers changes."""
+        """How many server changes the log holds."""
         return int(self._header[_GENERATION])
 
-    def bump_generation(self) -> int:
-        with self.locked():
-            self._header[_GENERATION] += 1
-            return int(self._header[_GENERATION])
+    def append_change(self, change: str) -> int:
+        """Log one server change; return the new generation. The caller holds the lock."""
+        raw = change.encode()
+        n = self.generation
+        if n >= LOG_ENTRIES:
+            raise TableFull(f"the machine's server change log is full ({LOG_ENTRIES} changes)")
+        if not raw or len(raw) > ENTRY_BYTES:
+            raise ValueError(f"a server change must be 1..{ENTRY_BYTES} bytes")
+        self._log[n * ENTRY_BYTES : (n + 1) * ENTRY_BYTES] = raw.ljust(ENTRY_BYTES, b"\0")
+        self._header[_GENERATION] = n + 1
+        return n + 1
+
+    def changes(self, since: int) -> list[str]:
+        """The logged changes from index ``since`` on."""
+        log = self._log
+        return [
+            bytes(log[i * ENTRY_BYTES : (i + 1) * ENTRY_BYTES]).rstrip(b"\0").decode()
+            for i in range(since, self.generation)
+        ]
 
     def close(self) -> None:
-        for view in (self._cells, self._keys, self._header):
+        for view in (self._cells, self._log, self._keys, self._header):
             view.release()
         self._shm.close()
         os.close(self._lock_fd)

@@ -21,10 +21,11 @@ from .app import RouterApp
 from .breaker import Breakers
 from .config import RouterConfig
 from .engine_truth import EngineTruth
-from .fleet import Fleet
+from .fleet import Fleet, MachineServers
 from .health import HealthBoard
 from .legs import BufferedDecode, PrefillLeg
 from .load import LoadLedger
+from .machine_ledger import MachineLedger
 from .metrics import MetricsApp, RouterMetrics
 from .policies import make_policy
 from .proxy import Proxy
@@ -34,6 +35,9 @@ from .stranded import KvReclaimer
 from .upstream import make_client, stream_timeout
 
 log = logging.getLogger("trio_pdrouter.server")
+
+#: Seconds between a worker's looks at the machine's server changes (``--workers N``).
+FOLLOW_INTERVAL = 0.05
 
 
 @attrs.frozen
@@ -88,14 +92,19 @@ def hypercorn_config(config: RouterConfig) -> HypercornConfig:
 
 
 def build_app(
-    config: RouterConfig, client: httpx.AsyncClient, background: trio.Nursery
+    config: RouterConfig,
+    client: httpx.AsyncClient,
+    background: trio.Nursery,
+    *,
+    ledger: LoadLedger | None = None,
 ) -> RouterApp:
     """The whole router as an ASGI app over ``client``; tests pass an in-memory transport.
 
     ``background`` runs work that outlives a request (the stranded-KV reclaim). Health probes,
-    the engine-truth scrape and policy maintenance are started by :func:`run_router`.
+    the engine-truth scrape and policy maintenance are started by :func:`run_router`. ``ledger``
+    is this process's own unless given (a worker of ``--workers N`` gives its machine ledger).
     """
-    ledger = LoadLedger()
+    ledger = LoadLedger() if ledger is None else ledger
     metrics = RouterMetrics()
     fleet: Fleet
 
@@ -124,12 +133,21 @@ def build_app(
     routing = Routing(
         policies, ledger, (health.is_healthy, lambda ep: breakers.admits(ep, trio.current_time()))
     )
+    machine = None
+    if isinstance(ledger, MachineLedger):
+        machine = MachineServers(ledger.table, background, config.server.graceful_timeout)
     fleet = Fleet(
-        dp_size=config.dp_size, routing=routing, ledger=ledger, health=health, breakers=breakers
+        dp_size=config.dp_size,
+        routing=routing,
+        ledger=ledger,
+        health=health,
+        breakers=breakers,
+        machine=machine,
     )
     for role, urls in config.servers().items():
         for url in urls:
-            fleet.add(url, role, serving=True)
+            fleet.add_at_start(url, role)
+    fleet.catch_up()  # and then the runtime changes made before it started
     metrics.watch_ledger(ledger, fleet.endpoints())
 
     admission = Admission(config.admission)
@@ -189,15 +207,27 @@ async def run_router(
     config: RouterConfig,
     *,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    ledger: LoadLedger | None = None,
+    listen_fd: int | None = None,
+    metrics_fd: int | None = None,
     task_status: trio.TaskStatus[RunningRouter] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until ``shutdown_trigger`` returns (or forever); report a :class:`RunningRouter`."""
+    """Serve until ``shutdown_trigger`` returns (or forever); report a :class:`RunningRouter`.
+
+    A worker of ``--workers N`` passes its machine ledger and the listening sockets the
+    supervisor made (``listen_fd``, ``metrics_fd`` for ``--prometheus-port``); otherwise the
+    router binds its ports itself.
+    """
     close_connections_when_clients_leave()
+    hc = hypercorn_config(config)
+    if listen_fd is not None:
+        hc.bind = [f"fd://{listen_fd}"]
     async with make_client(config) as client, trio.open_nursery() as nursery:
-        app = build_app(config, client, nursery)
+        app = build_app(config, client, nursery, ledger=ledger)
         nursery.start_soon(
             _maintain_policies, app.routing, config.policy_settings.eviction_interval_secs
         )
+        nursery.start_soon(app.fleet.follow, FOLLOW_INTERVAL)
         if app.engine_truth is not None:
             nursery.start_soon(app.engine_truth.run)
         if config.health.interval_secs > 0:
@@ -205,14 +235,14 @@ async def run_router(
         metrics_url = None
         if config.prometheus_port is not None:
             metrics_binds: list[str] = await nursery.start(
-                _serve_metrics, config, config.prometheus_port, app.metrics
+                _serve_metrics, config, config.prometheus_port, metrics_fd, app.metrics
             )
             metrics_url = metrics_binds[0]
 
         async def _serve(task_status: trio.TaskStatus[list[str]]) -> None:
             await serve(
                 cast(Framework, app),
-                hypercorn_config(config),
+                hc,
                 shutdown_trigger=shutdown_trigger,
                 task_status=task_status,
             )
@@ -226,6 +256,7 @@ async def run_router(
 async def _serve_metrics(
     config: RouterConfig,
     port: int,
+    fd: int | None,
     metrics: RouterMetrics,
     task_status: trio.TaskStatus[list[str]],
 ) -> None:
@@ -236,6 +267,8 @@ async def _serve_metrics(
         port=port,
     )
     hc = hypercorn_config(attrs.evolve(config, server=server))
+    if fd is not None:
+        hc.bind = [f"fd://{fd}"]
     await serve(cast(Framework, MetricsApp(metrics)), hc, task_status=task_status)
 
 

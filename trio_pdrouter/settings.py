@@ -9,6 +9,8 @@ import attrs
 
 from .flags import Flag, Group, Switch, must, positive, setting
 
+WORKER_SOCKETS = ("shared", "reuseport")
+
 
 @attrs.frozen
 class ServerSettings:
@@ -33,6 +35,27 @@ class ServerSettings:
             Group.LISTENING,
             "on SIGTERM/SIGINT, let in-flight requests finish for this long, then cancel them",
             type=float,
+        ),
+    )
+    workers: int = setting(
+        1,
+        Flag(
+            "--workers",
+            Group.LISTENING,
+            "router processes serving the port, with one machine-wide load ledger in shared"
+            " memory; a supervisor restarts any that dies. 1: a single process, no supervisor",
+            type=int,
+        ),
+        check=must(lambda n: n >= 1, "must be at least 1"),
+    )
+    worker_sockets: str = setting(
+        "shared",
+        Flag(
+            "--worker-sockets",
+            Group.LISTENING,
+            "with --workers N: one listening socket all workers accept from (shared), or one"
+            " SO_REUSEPORT socket per worker (reuseport)",
+            choices=WORKER_SOCKETS,
         ),
     )
     max_header_bytes: int = 64 * 1024

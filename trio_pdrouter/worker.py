@@ -1,0 +1,79 @@
+"""One worker process of ``--workers N``: the router over its row of the machine ledger.
+
+The supervisor starts it as ``python -m trio_pdrouter.worker ROW SHM LOCK FD METRICS_FD
+ARGV...``: its row in the machine table, the table's shared-memory name and lock file, the
+listening sockets it inherited (``METRICS_FD`` -1 without ``--prometheus-port``), and the
+router's own command line. Once it listens it writes ``ready`` on stdout
+(the supervisor's only channel from it; logs go to the inherited stderr) and serves until
+SIGTERM/SIGINT, with the single-process router's graceful rules.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+import trio
+
+from .cli import configure_logging, parse_config
+from .machine_ledger import MachineLedger
+from .machine_table import MachineTable
+
+READY = b"ready\n"
+
+
+#: The command of worker ``row`` given the table, the two fds and the router's argv.
+WorkerCommand = Callable[[int, MachineTable, int, int | None, Sequence[str]], list[str]]
+
+
+def worker_command(
+    row: int, table: MachineTable, fd: int, metrics_fd: int | None, argv: Sequence[str]
+) -> list[str]:
+    """The command line the supervisor runs for worker ``row``."""
+    return [
+        sys.executable,
+        "-m",
+        "trio_pdrouter.worker",
+        str(row),
+        table.name,
+        table.lock_path,
+        str(fd),
+        str(-1 if metrics_fd is None else metrics_fd),
+        *argv,
+    ]
+
+
+def main(args: Sequence[str]) -> None:
+    from .server import run_router, wait_for_signal
+
+    row, name, lock_path, fd, metrics_fd = int(args[0]), args[1], args[2], *map(int, args[3:5])
+    config = parse_config(args[5:])
+    configure_logging(config.log_level)
+    logging.getLogger("trio_pdrouter").info("worker=%d pid=%d starting", row, os.getpid())
+    table = MachineTable.attach(name, lock_path)
+
+    async def serve() -> None:
+        ledger = MachineLedger(table, row)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                lambda task_status: run_router(
+                    config,
+                    shutdown_trigger=wait_for_signal,
+                    ledger=ledger,
+                    listen_fd=fd,
+                    metrics_fd=None if metrics_fd < 0 else metrics_fd,
+                    task_status=task_status,
+                )
+            )
+            os.write(sys.stdout.fileno(), READY)
+
+    try:
+        trio.run(serve)
+    finally:
+        table.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
