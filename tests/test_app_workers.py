@@ -66,6 +66,16 @@ async def test_bad_worker_requests_are_refused(background: trio.Nursery) -> None
     cases = [
         ({"url": "http://decode:8200", "role": "decode"}, 409),
         ({"url": "ftp://x:1", "role": "decode"}, 400),
+        # Each of these once answered 201, then its health probe ended the process.
+        ({"url": "http://a\tb:1", "role": "decode"}, 400),
+        ({"url": "http://a\x7fb:1", "role": "decode"}, 400),
+        ({"url": "http://a\u2000b:1", "role": "decode"}, 400),
+        ({"url": "http://user:secret@x:1", "role": "decode"}, 400),
+        ({"url": "http://x:0", "role": "decode"}, 400),
+        (
+            {"url": "HTTP://DECODE:8200/", "role": "decode"},
+            409,
+        ),  # the same server, spelled otherwise
         ({"url": "http://x", "role": "decode"}, 400),
         ({"url": "http://x:1", "role": "regular"}, 400),
         ({"url": "http://x:1", "role": "boss"}, 400),

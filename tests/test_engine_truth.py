@@ -169,7 +169,9 @@ async def test_endpoints_are_read_each_round() -> None:
 
 
 @pytest.mark.parametrize("failure", ["status", "refused", "garbage"])
-async def test_a_failed_scrape_forgets_the_urls_numbers_until_it_recovers(failure: str) -> None:
+async def test_a_failed_scrape_forgets_the_urls_numbers_until_it_recovers(
+    failure: str, autojump_clock: trio.testing.MockClock
+) -> None:
     server = MetricsServer()
     truth, _, (ep0, _), metrics = truth_over(server)
     await truth.scrape()
@@ -186,8 +188,25 @@ async def test_a_failed_scrape_forgets_the_urls_numbers_until_it_recovers(failur
     assert value("trio_pdrouter_load_drift", {"endpoint": ep0.key}) is None
     assert value("trio_pdrouter_engine_scrape_errors_total", {"url": URL}) == 1
     server.status, server.refuse, server.text = 200, False, exposition({"0": (4, 0), "1": (0, 0)})
+    await trio.sleep(truth.interval)  # the failing URL's first backoff
     await truth.scrape()
     assert truth.drift == {f"{URL}@0": -4, f"{URL}@1": 0}
+
+
+async def test_a_failing_upstream_is_scraped_with_a_doubling_backoff(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    server = MetricsServer()
+    server.refuse = True
+    truth, *_ = truth_over(server, interval=1.0)
+    with trio.move_on_after(100):
+        await truth.run()
+    # Tried at 0, 1, 3, 7, 15, then every 30 s (the cap) instead of 100 times.
+    assert server.scrapes == 8, server.scrapes
+    server.refuse = False
+    with trio.move_on_after(31):
+        await truth.run()
+    assert truth.drift, "scraped again once it answers"
 
 
 async def test_run_scrapes_once_per_interval(mock_clock: trio.testing.MockClock) -> None:

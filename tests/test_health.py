@@ -45,6 +45,8 @@ class Upstream:
             raise httpx.ConnectError("connection refused", request=request)
         if outcome == "hang":
             await trio.sleep_forever()
+        if outcome == "bug":  # not an httpx.HTTPError: what an odd URL made httpx raise
+            raise httpx.InvalidURL("scripted: invalid URL")
         assert isinstance(outcome, int)
         return httpx.Response(outcome, json={})
 
@@ -269,3 +271,11 @@ async def test_health_follows_a_real_simulator_going_down_and_up() -> None:
             assert (await changes.next())[:2] == (sim.url, True)
             assert board.is_healthy(ep(sim.url))
         nursery.cancel_scope.cancel()
+
+
+async def test_a_probe_failing_in_an_unexpected_way_is_a_failure_not_a_crash(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    rig = await start(nursery, {URL: ["bug"]})
+    assert await rig.changes.next() == (URL, False, 2 * SETTINGS.interval_secs)
+    assert len(rig.upstream.probe_times(URL)) == SETTINGS.failure_threshold

@@ -204,7 +204,8 @@ class UpstreamCall:
     endpoint: str
     request_id: str
     stream: bool
-    #: Sent after its client had left (the stranded-KV release of a prefill's blocks).
+    #: A one-token decode that reclaims a prefill's KV blocks no decode took (the requests
+    #: of the machine ask for more tokens).
     stranded: bool
     decided: trio.Event = attrs.Factory(trio.Event)
     decision: str | None = None
@@ -375,7 +376,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             endpoint=f"{request.url.scheme}://{host}:{request.url.port}",
             request_id=req.request_id,
             stream=bool(orjson.loads(request.content).get("stream")),
-            stranded=req.exchange.disconnect.is_set(),
+            stranded=stage != "prefill" and orjson.loads(request.content)["max_tokens"] == 1,
         )
         self.calls.append(upstream_call)
         req.calls.append(upstream_call)
@@ -662,16 +663,16 @@ class LifecycleMachine(RuleBasedStateMachine):
         if not calls or calls[-1].stage == "worker":
             return KvOwner.NONE
         last = calls[-1]
-        prefill = calls[-2] if last.stage == "decode" and len(calls) > 1 else None
-        if last.stage == "prefill" or prefill is None or not last.open:
+        prefills = [c for c in calls if c.stage == "prefill"]
+        if last.stage == "prefill" or not prefills or not last.open:
             return None
-        if prefill.decision == "ok_no_kv":
+        if prefills[-1].decision == "ok_no_kv":
             return KvOwner.NONE
-        # Decode is taken to have pulled the blocks once it answered (see trio_pdrouter.lifecycle):
-        # a stream's head; a whole answer, which ends the call, otherwise.
-        if req.stream and not last.awaiting_head:
-            return KvOwner.DECODE
-        return KvOwner.PREFILL
+        # When decode has taken the blocks (trio_pdrouter.lifecycle): a stream at its first
+        # event, a non-streaming request once sent.
+        if req.stream and last.sent == 0:
+            return KvOwner.PREFILL
+        return KvOwner.DECODE
 
     @invariant()
     def nothing_was_swallowed_or_escaped(self) -> None:
@@ -752,6 +753,7 @@ def _push_chunk(target: UpstreamCall) -> None:
     assert target.body is not None
     if target.stream:
         target.body.push(EVENT)
+        target.sent += len(EVENT)
         return
     # A non-streaming answer arrives in slices; keep the last byte for the EOF rule.
     piece = DECODE_ANSWER[target.sent : min(target.sent + 40, len(DECODE_ANSWER) - 1)]

@@ -81,13 +81,17 @@ def test_observers_see_every_change() -> None:
     assert seen == [("http://d:1@0", 1), ("http://d:1@0", 0)]
 
 
-def test_removed_endpoint_is_forgotten_only_when_idle() -> None:
+def test_removed_endpoint_is_forgotten_at_its_last_release() -> None:
     ledger = LoadLedger(D)
-    lease = ledger.lease(D[0])
-    assert not ledger.forget_idle(D[0])
-    lease.release_all()
-    assert ledger.forget_idle(D[0])
+    first, second = ledger.lease(D[0]), ledger.lease(D[0], pending=(D[0],))
+    ledger.forget_when_idle(D[0])
+    assert ledger.snapshot()["decode"]["http://d:1@0"] == 2, "held: still counted"
+    first.release_all()
+    assert ledger.load(D[0]) == 1
+    second.release_all()
     assert "http://d:1@0" not in ledger.snapshot()["decode"]
+    ledger.forget_when_idle(D[1])  # idle: forgotten at once
+    assert "http://d:1@1" not in ledger.snapshot()["decode"]
 
 
 class LedgerMachine(RuleBasedStateMachine):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import attrs
 import httpx
 import orjson
+import pytest
 import trio
 import trio.testing
 
@@ -51,7 +52,7 @@ async def test_prefill_5xx_is_retried_on_another_endpoint(
     assert total_load(app) == 0
 
 
-async def test_decode_failure_before_any_byte_retries_with_a_fresh_prefill(
+async def test_decode_failure_before_any_byte_retries_decode_with_the_same_kv(
     autojump_clock: trio.testing.MockClock,
     background: trio.Nursery,
 ) -> None:
@@ -72,7 +73,10 @@ async def test_decode_failure_before_any_byte_retries_with_a_fresh_prefill(
     app, upstream = make_app(pd_config(), handler, background)
     ex = await call(app, "POST", "/v1/completions", REQUEST)
     assert ex.status == 200 and bytes(ex.body) == EVENT + DONE
-    assert [r.url.host for r in upstream.requests] == ["prefill", "decode", "prefill", "decode"]
+    # The prefill's blocks were still held: no second prefill, the same params to decode.
+    assert [r.url.host for r in upstream.requests] == ["prefill", "decode", "decode"]
+    assert upstream.json_of(1) == upstream.json_of(2) == {**REQUEST, "kv_transfer_params": KV}
+    assert len({r.headers["x-request-id"] for r in upstream.requests}) == 1
     assert total_load(app) == 0
 
 
@@ -162,11 +166,20 @@ async def test_client_leaving_before_decode_answers_releases_the_stranded_kv(
     assert total_load(app) == 0
 
 
-async def test_no_stranded_release_when_decode_already_answered(background: trio.Nursery) -> None:
+@pytest.mark.parametrize("first_event", [False, True])
+async def test_a_stream_has_taken_the_kv_at_its_first_event_not_at_its_head(
+    first_event: bool, background: trio.Nursery
+) -> None:
+    """vLLM sends a stream's head before it schedules the request (and pulls the KV)."""
+    bodies = []
+
     async def handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "prefill":
             return json_response(PREFILL_ANSWER)
-        response, _ = streaming()
+        response, body = streaming()
+        bodies.append(body)
+        if len(bodies) > 1:
+            body.push(EVENT)  # the reclaim: its first event ends it
         return response
 
     app, upstream = make_app(pd_config(), handler, background)
@@ -174,10 +187,71 @@ async def test_no_stranded_release_when_decode_already_answered(background: trio
     async with trio.open_nursery() as nursery:
         nursery.start_soon(lambda: call(app, "POST", "/v1/completions", REQUEST, exchange=ex))
         await ex.started.wait()
+        if first_event:
+            bodies[0].push(EVENT)
+            await trio.testing.wait_all_tasks_blocked()
+        ex.disconnect.set()
+    await trio.testing.wait_all_tasks_blocked()
+    if first_event:
+        assert len(upstream.requests) == 2, "decode took the blocks: nothing to reclaim"
+    else:
+        reclaim = upstream.json_of(2)
+        assert reclaim["kv_transfer_params"] == KV and reclaim["max_tokens"] == 1
+    assert loads(app)["decode"] == {"http://decode:8200": 0}
+
+
+@pytest.mark.parametrize("status", [400, 503])
+async def test_decode_refusing_after_prefill_reclaims_the_kv_once(
+    status: int, background: trio.Nursery
+) -> None:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "prefill":
+            return json_response(PREFILL_ANSWER)
+        if orjson.loads(request.content)["max_tokens"] == 1:  # the reclaim
+            response, body = streaming()
+            body.push(EVENT)
+            return response
+        return json_response({"error": {"message": "no", "code": status}}, status)
+
+    config = pd_config(retry=RetrySettings(max_retries=2, initial_backoff_ms=0))
+    app, upstream = make_app(config, handler, background)
+    ex = await call(app, "POST", "/v1/completions", REQUEST)
+    await trio.testing.wait_all_tasks_blocked()
+    assert ex.status == (400 if status == 400 else 502)
+    hosts = [r.url.host for r in upstream.requests]
+    # A 503 is retried on decode with the same blocks; then they are reclaimed, once.
+    decodes = 1 if status == 400 else 2
+    assert hosts == ["prefill"] + ["decode"] * (decodes + 1)
+    reclaim = upstream.json_of(len(hosts) - 1)
+    assert reclaim["max_tokens"] == 1 and reclaim["kv_transfer_params"] == KV
+    assert upstream.bodies[-1].closed
+    assert total_load(app) == 0
+
+
+async def test_a_non_streaming_decode_is_never_reclaimed_once_sent(
+    background: trio.Nursery,
+) -> None:
+    """A reclaim after decode pulled the blocks would make decode prefill twice."""
+    decode_waiting = trio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "prefill":
+            return json_response(PREFILL_ANSWER)
+        decode_waiting.set()
+        await trio.sleep_forever()
+        raise AssertionError
+
+    app, upstream = make_app(pd_config(), handler, background)
+    ex = Exchange()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            lambda: call(app, "POST", "/v1/completions", {"prompt": "x"}, exchange=ex)
+        )
+        await decode_waiting.wait()
         ex.disconnect.set()
     await trio.testing.wait_all_tasks_blocked()
     assert len(upstream.requests) == 2
-    assert loads(app)["decode"] == {"http://decode:8200": 0}
+    assert total_load(app) == 0
 
 
 def test_retry_settings_are_vllm_routers() -> None:

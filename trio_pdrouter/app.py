@@ -16,7 +16,7 @@ import httpx
 import orjson
 import trio
 
-from . import errors, pd
+from . import errors, pd, sampling
 from .asgi import Downstream, Receive, Reply, Scope, Send, answer_lifespan
 from .config import RouterConfig
 from .endpoints import Role
@@ -298,6 +298,9 @@ def _validate(path: str, body: Any) -> None:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(errors.bad_request("'stream' must be a boolean", "stream"))
+    # Refused by the router, not by decode after prefill ran: that would strand the KV.
+    if (refusal := sampling.refusal(body)) is not None:
+        raise BadRequest(refusal)
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:

@@ -195,8 +195,9 @@ class RouterConfig:
         Flag(
             "--release-stranded-kv",
             Group.REQUESTS,
-            "when a client leaves after prefill answered but before decode did, send decode a"
-            " one-token request so the prefill engine frees the KV blocks at once",
+            "when a request is done with a prefill's KV blocks that no decode took (decode"
+            " refused or failed, the client left), send a decode a one-token request with the"
+            " same kv_transfer_params so the prefill engine frees them at once",
             action=argparse.BooleanOptionalAction,
         ),
     )

@@ -8,6 +8,8 @@ addressed with the ``X-data-parallel-rank`` header.
 from __future__ import annotations
 
 import enum
+import ipaddress
+import re
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
@@ -39,31 +41,54 @@ class Endpoint:
         return self.key
 
 
-def normalize_url(url: str) -> str:
-    """Validate an upstream base URL and strip a trailing slash.
+#: A host name (RFC 1123 labels, with the underscores container names use) or an IPv4 address;
+#: IPv6 literals are checked by ipaddress.
+_HOST_NAME = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)(\.(?!-)[a-z0-9_-]{1,63}(?<!-))*\.?")
 
-    The one check of upstream URLs: the command line and ``POST /workers`` both come here.
-    Raises ``ValueError`` with a message fit for a command-line user.
+
+def normalize_url(url: str) -> str:
+    """Validate an upstream base URL and return its canonical form.
+
+    The one check of upstream URLs: the command line and ``POST /workers`` both come here, so
+    whatever reaches the health probes, the scrapes and the transport is a plain
+    ``http://host:port[/path]``: lower-case host, explicit port, no trailing slash, no user
+    info, no whitespace or control characters. One server spelled two ways gives one form, so
+    duplicates are found. Raises ``ValueError`` with a message fit for a command-line user.
     """
+    if not url.isascii() or any(not c.isprintable() or c.isspace() for c in url):
+        raise ValueError(
+            f"{url!r}: the URL may not contain spaces, control or non-ASCII characters"
+        )
     parts = urlsplit(url)
-    if parts.scheme == "https":
+    scheme = parts.scheme.lower()
+    if scheme == "https":
         raise ValueError(
             f"{url!r}: https upstreams are not supported yet: the upstream transport speaks"
             " plain HTTP; use http://"
         )
-    if parts.scheme != "http":
+    if scheme != "http":
         raise ValueError(f"{url!r}: the URL must start with http://")
-    if not parts.hostname:
+    if "@" in parts.netloc:
+        raise ValueError(f"{url!r}: the URL may not carry a user name or password")
+    host = parts.hostname
+    if not host:
         raise ValueError(f"{url!r}: the URL has no host")
     try:
         port = parts.port
     except ValueError as exc:
         raise ValueError(f"{url!r}: {exc}") from None
-    if port is None:
-        raise ValueError(f"{url!r}: the URL needs an explicit port")
-    if parts.query or parts.fragment:
+    if port is None or port == 0:
+        raise ValueError(f"{url!r}: the URL needs an explicit port (1-65535)")
+    if parts.query or parts.fragment or "?" in url or "#" in url:
         raise ValueError(f"{url!r}: the URL may not carry a query or fragment")
-    return url.rstrip("/")
+    if ":" in host:
+        try:
+            host = f"[{ipaddress.IPv6Address(host).compressed}]"
+        except ValueError:
+            raise ValueError(f"{url!r}: {host!r} is not a valid IPv6 address") from None
+    elif not _HOST_NAME.fullmatch(host):
+        raise ValueError(f"{url!r}: {host!r} is not a valid host name")
+    return f"http://{host}:{port}{parts.path.rstrip('/')}"
 
 
 def expand(urls: Iterable[str], role: Role, dp_size: int) -> tuple[Endpoint, ...]:

@@ -43,6 +43,9 @@ from .metrics import RouterMetrics
 
 log = logging.getLogger("trio_pdrouter.engine_truth")
 
+#: The longest wait before scraping a failing upstream again, in seconds.
+MAX_BACKOFF_S = 30.0
+
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 
@@ -134,6 +137,9 @@ class EngineTruth:
         self._metrics = metrics
         self._endpoints = endpoints
         self._failing: set[str] = set()
+        #: Failing URLs: the current backoff, and when to try again.
+        self._backoff: dict[str, float] = {}
+        self._retry_at: dict[str, float] = {}
         self._windows: list[_Window] = []
         ledger.observe_visible(self._changed)
         #: endpoint key -> the engine's load at the last successful scrape
@@ -149,7 +155,10 @@ class EngineTruth:
         """Scrape every upstream every ``interval`` seconds, forever."""
         next_round = trio.current_time()
         while True:
-            await self.scrape()
+            try:
+                await self.scrape()
+            except Exception:  # a bug here must not end the router: log it, scrape next round
+                log.exception("engine metrics round failed")
             next_round = max(next_round + self.interval, trio.current_time())
             await trio.sleep_until(next_round)
 
@@ -161,7 +170,10 @@ class EngineTruth:
         # A URL may serve several roles; its engines cannot tell them apart, so the router side
         # of a comparison is every endpoint with the same key.
         by_key: dict[str, list[Endpoint]] = {}
+        now = trio.current_time()
         for ep in endpoints:
+            if self._retry_at.get(ep.url, now) > now:
+                continue  # failing: backing off
             by_url.setdefault(ep.url, []).append(ep)
             by_key.setdefault(ep.key, []).append(ep)
         for gone in self.engine.keys() - by_key.keys():
@@ -193,6 +205,8 @@ class EngineTruth:
             return
         if url in self._failing:
             self._failing.discard(url)
+            self._retry_at.pop(url, None)
+            self._backoff.pop(url, None)
             log.info("url=%s engine metrics available again", url)
         loads = endpoint_loads(endpoints, engines)
         for key in dict.fromkeys(ep.key for ep in endpoints):
@@ -211,7 +225,7 @@ class EngineTruth:
         try:
             with trio.move_on_after(limit) as scope:
                 resp = await self._client.get(url + "/metrics")
-        except httpx.HTTPError as exc:
+        except Exception as exc:  # any failure is a failed scrape; the loop must not die
             raise ScrapeError(f"{type(exc).__name__}: {exc}") from None
         if scope.cancelled_caught:
             raise ScrapeError(f"no answer in {limit:g}s")
@@ -225,6 +239,12 @@ class EngineTruth:
         if url not in self._failing:
             self._failing.add(url)
             log.warning("url=%s engine metrics unavailable: %s", url, reason)
+        # Back off a failing URL (doubling, up to MAX_BACKOFF_S): a thousand unreachable
+        # servers must not cost a core in refused connections.
+        backoff = self._backoff[url] = min(
+            2 * self._backoff.get(url, self.interval / 2), MAX_BACKOFF_S
+        )
+        self._retry_at[url] = trio.current_time() + backoff
         for ep in endpoints:
             self._forget(ep.key)
 

@@ -11,8 +11,8 @@ server from :class:`Fleet` and from nowhere else:
   traffic at once; one added at run time waits for its first successful probe.
 * :meth:`Fleet.remove` takes the URL out of routing and health at once (no new request goes
   there) and forgets its circuit breakers, waits up to a timeout for its in-flight requests to
-  end, then drops the ledger counters that reached zero. Requests still running keep their
-  leases, so they release what they took whenever they end.
+  end, then drops its ledger counters — at once if they are zero, else at their last release:
+  requests still running keep their leases and release what they took whenever they end.
 * With ``--workers N`` the fleet is given the machine's :class:`ServerLog`: every runtime add
   or remove, in whichever worker, is applied here and appended to the log in one step under the
   machine lock, after replaying what this worker had not seen yet; :meth:`Fleet.follow`
@@ -208,7 +208,7 @@ class Fleet:
             await self._ledger.wait_idle(removed)
         in_flight = sum(self._ledger.load(ep) for ep in removed)
         for ep in removed:
-            self._ledger.forget_idle(ep)
+            self._ledger.forget_when_idle(ep)
         return Removal(tuple(removed), in_flight)
 
     def workers(self) -> list[dict[str, Any]]:

@@ -147,7 +147,7 @@ class HealthBoard:
         with trio.move_on_after(s.timeout_secs):
             try:
                 resp = await client.get(url + s.endpoint, timeout=s.timeout_secs)
-            except httpx.HTTPError as exc:
+            except Exception as exc:  # any failure is a failed probe; the loop must not die
                 log.debug("health url=%s failed=%s", url, type(exc).__name__)
                 return False
             return resp.is_success

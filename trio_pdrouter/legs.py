@@ -96,7 +96,7 @@ class PrefillLeg:
                 outcomes.invalid("prefill", ep, "answer is not a JSON object")
             )
         req.record_success(ep)
-        req.prefill_answered(answer.get("kv_transfer_params"))
+        req.prefill_answered(answer)
         return answer
 
 
@@ -104,6 +104,8 @@ class BufferedDecode:
     """A non-streaming decode (or regular) leg: the whole answer in one piece.
 
     The decode load is held until the answer has been read; ``limit`` bounds the wait for it.
+    The prefill's KV blocks count as taken once the leg is sent, unless decode answers an
+    error or the connection fails before the request goes out (see :mod:`.lifecycle`).
     When the client asked for prompt logprobs or echo, the prefill's prompt-side fields are
     merged into the answer (SPEC §6).
     """
@@ -118,18 +120,21 @@ class BufferedDecode:
         ep = call.endpoint
         attempt.lease.sent(ep)
         req.decode_sent()
+        req.kv_taken()  # nothing will show when decode schedules it (see lifecycle)
         try:
             with trio.move_on_after(self._limit) as scope:
                 resp = await self._client.post(call.url, content=call.content, headers=call.headers)
         except httpx.HTTPError as exc:
+            if isinstance(exc, httpx.ConnectError):
+                req.kv_refused()  # the request never went out
             return req.record_failure(outcomes.transport_failure(call.stage, ep, exc))
         finally:
             attempt.lease.release(ep)
         if scope.cancelled_caught:
             failure = outcomes.timeout(call.stage, ep, f"no answer in {self._limit:g}s")
             return req.record_failure(failure)
-        req.decode_answered()
         if resp.status_code != 200:
+            req.kv_refused()
             return req.record_failure(status_failure(call.stage, ep, resp, resp.content))
         content = resp.content
         if prefill is not None and logprobs.needs_merge(req.inf.body):

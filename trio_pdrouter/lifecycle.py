@@ -31,17 +31,30 @@ the client leave cancels the request's scope, but trio delivers a cancellation o
 checkpoint, so a leg that was just handed its result still finishes the step it was taking
 (a prefill answer read in the same instant is still recorded, and its KV blocks reclaimed).
 
-Prefill KV ownership (SPEC §5.2), per attempt::
+Prefill KV ownership (SPEC §5.2)::
 
-    NONE -PREFILL_HELD-> PREFILL -PULLED-> DECODE
+    NONE -PREFILL_HELD-> PREFILL -PULLED-> DECODE -REFUSED-> PREFILL
                          PREFILL -RECLAIM-> RECLAIMED    (a one-token decode pulls them now)
                          PREFILL -ABANDON-> ABANDONED    (left to the prefill engine's timeout)
-    any  -NEXT_ATTEMPT-> NONE
+    NONE, DECODE, RECLAIMED, ABANDONED -NEXT_ATTEMPT-> NONE
 
-Decode is taken to have pulled the blocks when it answered: its response head for a stream, its
-whole answer otherwise. When an attempt ends with the blocks still on the prefill engine, the
-router reclaims them if the client left (and ``--release-stranded-kv`` is on) and abandons them
-otherwise.
+When decode has taken the blocks (vLLM pulls them when it *schedules* the request, after it has
+sent a stream's response head):
+
+* a stream: at its first event that is not an error. The head proves nothing (vLLM sends it
+  before scheduling); the first output comes after the pull.
+* a non-streaming request: once its leg is sent. Nothing shows when decode schedules it, and a
+  reclaim sent after decode pulled the blocks makes decode recompute the whole prompt; so the
+  router counts them as taken unless decode proves otherwise: an HTTP error answer, or a
+  connection that failed before the request went out (``REFUSED``: the blocks are still held).
+  A non-streaming request aborted while it was still queued leaves its blocks to the prefill
+  engine's timeout; that is the price of never making decode prefill twice.
+
+When an attempt ends with the blocks still on the prefill engine, a retry that follows (a decode
+failure before any byte) reuses them: the next attempt sends decode the same
+``kv_transfer_params`` instead of running a fresh prefill. Otherwise, when the request is done
+with them, they are reclaimed exactly once (``--release-stranded-kv``, on by default) or, with
+that flag off, abandoned.
 """
 
 from __future__ import annotations
@@ -122,7 +135,7 @@ DECIDED = frozenset({P.ANSWERED, P.FAILED, P.UNROUTABLE, P.REJECTED, P.CRASHED, 
 class KvOwner(enum.Enum):
     NONE = "none"  # no prefill in this attempt, or its one token was a stop (no KV to pull)
     PREFILL = "prefill"  # held by the prefill engine, waiting for a decode to pull them
-    DECODE = "decode"  # pulled by the decode engine
+    DECODE = "decode"  # taken by the decode engine (see the module doc for when)
     RECLAIMED = "reclaimed"  # a one-token decode was sent to pull them for a departed client
     ABANDONED = "abandoned"  # left on the prefill engine until its KV timeout frees them
 
@@ -130,6 +143,7 @@ class KvOwner(enum.Enum):
 class KvEvent(enum.Enum):
     PREFILL_HELD = "prefill_held"
     PULLED = "pulled"
+    REFUSED = "refused"
     RECLAIM = "reclaim"
     ABANDON = "abandon"
     NEXT_ATTEMPT = "next_attempt"
@@ -140,7 +154,7 @@ K, KE = KvOwner, KvEvent
 KV_TRANSITIONS: Mapping[KvOwner, Mapping[KvEvent, KvOwner]] = {
     K.NONE: {KE.PREFILL_HELD: K.PREFILL, KE.NEXT_ATTEMPT: K.NONE},
     K.PREFILL: {KE.PULLED: K.DECODE, KE.RECLAIM: K.RECLAIMED, KE.ABANDON: K.ABANDONED},
-    K.DECODE: {KE.NEXT_ATTEMPT: K.NONE},
+    K.DECODE: {KE.REFUSED: K.PREFILL, KE.NEXT_ATTEMPT: K.NONE},
     K.RECLAIMED: {KE.NEXT_ATTEMPT: K.NONE},
     K.ABANDONED: {KE.NEXT_ATTEMPT: K.NONE},
 }

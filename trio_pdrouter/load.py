@@ -55,16 +55,19 @@ class LoadLedger:
         self._observers: list[Observer] = []
         self._visible_observers: list[Observer] = []
         self._idle_waiters: dict[Endpoint, trio.Event] = {}
+        #: Removed endpoints still held by leases: forgotten at their last release.
+        self._retired: set[Endpoint] = set()
 
     def add_endpoint(self, endpoint: Endpoint) -> None:
+        self._retired.discard(endpoint)  # removed while busy, added back: keep counting it
         self._counts.setdefault(endpoint, 0)
 
-    def forget_idle(self, endpoint: Endpoint) -> bool:
-        """Drop a removed endpoint's counter once nothing holds it; True if it was dropped."""
+    def forget_when_idle(self, endpoint: Endpoint) -> None:
+        """Drop a removed endpoint's counter now if nothing holds it, else at its last release."""
         if self._counts.get(endpoint, 0) == 0:
             self._counts.pop(endpoint, None)
-            return True
-        return False
+        else:
+            self._retired.add(endpoint)
 
     async def wait_idle(self, endpoints: Iterable[Endpoint]) -> None:
         """Return once nothing holds any of ``endpoints`` (used to drain a removed server)."""
@@ -130,8 +133,13 @@ class LoadLedger:
         self._counts[endpoint] = n
         if pending:
             self._pending[endpoint] = self._pending.get(endpoint, 0) + delta
-        if n == 0 and endpoint in self._idle_waiters:
-            self._idle_waiters.pop(endpoint).set()
+        if n == 0:
+            if endpoint in self._idle_waiters:
+                self._idle_waiters.pop(endpoint).set()
+            if endpoint in self._retired:
+                self._retired.discard(endpoint)
+                del self._counts[endpoint]
+                self._pending.pop(endpoint, None)
         for observer in self._observers:
             observer(endpoint, n)
         if not pending:

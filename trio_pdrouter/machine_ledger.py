@@ -12,8 +12,8 @@ Rules of this module:
   reads the cell just before it chooses from a load one too high, never too low.
 * Observers get the machine-wide load of the endpoint that changed. Changes made by other
   workers notify nobody here; readers that mirror loads (metrics) re-read on demand.
-* What this worker itself holds (``wait_idle``, ``forget_idle``, the never-negative check) is its
-  own row: a worker can wait only for the requests it runs.
+* What this worker itself holds (``wait_idle``, ``forget_when_idle``, the never-negative check)
+  is its own row: a worker can wait only for the requests it runs.
 """
 
 from __future__ import annotations
@@ -102,8 +102,13 @@ class MachineLedger(LoadLedger):
         if pending:
             self._pending[endpoint] = self._pending.get(endpoint, 0) + delta
             self._table.add(self._row, slot, PENDING, delta)
-        if own == 0 and endpoint in self._idle_waiters:
-            self._idle_waiters.pop(endpoint).set()
+        if own == 0:
+            if endpoint in self._idle_waiters:
+                self._idle_waiters.pop(endpoint).set()
+            if endpoint in self._retired:  # removed while busy: forgotten at its last release
+                self._retired.discard(endpoint)
+                del self._counts[endpoint]
+                self._pending.pop(endpoint, None)
         if self._observers:
             n = self.load(endpoint)
             for observer in self._observers:

@@ -12,8 +12,8 @@ Structure (DESIGN "One request = one nursery")::
                     decode leg: the relay's reader task  # decode released at upstream EOF/error,
                       owns the decode load; the writer   # even if the client stalls
                       sends to the client
-                    settle a stranded prefill's KV       # reclaimed or abandoned, by its state
                 retry only if the lifecycle allows it (no byte sent) and the failure is retriable
+            reclaim KV blocks no decode took             # once, by the KV owner's state
         nursery.cancel_scope.cancel()                    # stop the watcher *before* the final send
     send the final message
 
@@ -23,13 +23,15 @@ upstream response, whose close is synchronous in our transport: the engine sees 
 close and aborts the request.
 
 Retries: the prefill leg is retried on another endpoint after a connection error, a timeout, a
-5xx or a 429; a decode failure is retried only before any byte reached the client, and always with
-a fresh prefill (the KV blocks of the first may be gone). Each attempt charges and releases its own
-endpoints.
+5xx or a 429; a decode failure is retried only before any byte reached the client, with the same
+prefill's KV blocks when decode did not take them (a decode-only attempt), else with a fresh
+prefill. Each attempt charges and releases its own endpoints. KV blocks no decode took are
+reclaimed once, when the request is done with them (see :mod:`.lifecycle`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 
@@ -126,6 +128,14 @@ class Proxy:
 
     async def _attempts(self, req: Request) -> Reply:
         """Run attempts until one answers, the failure is final, or attempts run out."""
+        try:
+            return await self._try(req)
+        finally:
+            # However the request ends (answered, failed, client gone, cancelled while
+            # waiting to retry), KV blocks no decode took are reclaimed now, exactly once.
+            self._settle_kv(req)
+
+    async def _try(self, req: Request) -> Reply:
         attempts = self._config.retry.max_retries
         avoid_urls: list[str] = []
         for number in range(1, attempts + 1):
@@ -140,15 +150,12 @@ class Proxy:
             async with attempt.lease:
                 # First inside the block: nothing between the charge and the lease's guard.
                 req.routed(attempt)
-                try:
-                    result = await self._attempt(req, attempt)
-                finally:
-                    self._settle_kv(req, attempt)
+                result = await self._attempt(req, attempt)
             if isinstance(result, Reply):
                 req.answered()
                 return _with_routing_headers(req, result)
             if result.retriable and number < attempts and req.life.allows(Event.RETRY):
-                req.retrying()
+                req.retrying()  # a prefill's KV blocks still held are reused by the next attempt
                 avoid_urls.append(result.endpoint.url)
                 await trio.sleep(self._backoff(number))
                 continue
@@ -156,41 +163,59 @@ class Proxy:
         raise AssertionError("unreachable: the last attempt answers or fails")
 
     def _choose(self, req: Request, number: int, avoid_urls: list[str]) -> Attempt:
-        """Choose and charge the attempt's endpoints (synchronously: no checkpoint)."""
+        """Choose and charge the attempt's endpoints (synchronously: no checkpoint).
+
+        After a decode failure that left the prefill's KV blocks held, only a decode endpoint
+        is chosen: the attempt sends it the same ``kv_transfer_params``.
+        """
         key = req.inf.key
-        prefill = None
-        if self._config.pd:
-            lease, prefill, decode = self._routing.lease_pd(key, avoid_urls)
-        else:
-            lease, decode = self._routing.lease_one(Role.REGULAR, key, avoid_urls)
         rid = req.inf.request_id
-        if prefill is not None and self._config.kv_connector == "p2p_nccl":
+        if not self._config.pd:
+            lease, decode = self._routing.lease_one(Role.REGULAR, key, avoid_urls)
+            return Attempt(number, None, decode, lease, rid)
+        last = req.attempt
+        if last is not None and last.prefill is not None and req.life.kv is KvOwner.PREFILL:
+            lease, decode = self._routing.lease_one(Role.DECODE, key, avoid_urls)
+            return Attempt(number, last.prefill, decode, lease, last.request_id, reuses_kv=True)
+        lease, prefill, decode = self._routing.lease_pd(key, avoid_urls)
+        if self._config.kv_connector == "p2p_nccl":
             rid = pd.p2p_nccl_request_id(prefill, decode)
         return Attempt(number, prefill, decode, lease, rid)
 
     async def _attempt(self, req: Request, attempt: Attempt) -> Reply | LegFailure:
         inf = req.inf
         body = inf.body
-        prefill_answer = None
-        if attempt.prefill is not None:
+        if attempt.runs_prefill:
             answer = await self._prefill.run(req, attempt)
             if isinstance(answer, LegFailure):
                 return answer
-            prefill_answer = answer
+        if attempt.prefill is not None:
             body = pd.decode_body(inf.body, req.kv_params)
         api_key = self._config.upstream_api_key
         call = UpstreamCall.build(req, attempt, attempt.decode, body, api_key, attempt.stage)
         if inf.stream:
             return await self._relay.run(req, attempt, call)
-        return await self._buffered.run(req, attempt, call, prefill_answer)
+        return await self._buffered.run(req, attempt, call, req.prefill_answer)
 
-    def _settle_kv(self, req: Request, attempt: Attempt) -> None:
-        """The attempt is over: decide the fate of KV blocks decode did not pull (never awaits)."""
-        if req.life.kv is not KvOwner.PREFILL:
+    def _settle_kv(self, req: Request) -> None:
+        """The request is done with a prefill's KV blocks no decode took: reclaim them on a
+        decode endpoint that can take a request (never awaits)."""
+        attempt = req.attempt
+        if req.life.kv is not KvOwner.PREFILL or attempt is None:
             return
-        if req.life.client_gone and self._config.release_stranded_kv:
+        target = attempt.decode
+        failure = req.failure
+        if (
+            failure is not None
+            and failure.endpoint == target
+            and not failure.kind.startswith("status_4")
+        ):
+            # That decode broke: ask another (the blocks do not care who pulls them).
+            with contextlib.suppress(NoHealthyEndpoint):
+                target = self._routing.choose(Role.DECODE, req.inf.key, (target.url,))
+        if self._config.release_stranded_kv:
             req.kv_settled(KvEvent.RECLAIM)
-            self._reclaimer.reclaim(req, attempt)
+            self._reclaimer.reclaim(req, attempt, target)
         else:
             req.kv_settled(KvEvent.ABANDON)
 

@@ -200,7 +200,6 @@ class DecodeRelay:
         buffer: RelayBuffer,
     ) -> None:
         ep = call.endpoint
-        req.decode_answered()
         if resp.status_code != 200:
             body = await resp.aread()
             head.fail(req.record_failure(status_failure(call.stage, ep, resp, body)))
@@ -210,15 +209,22 @@ class DecodeRelay:
         content_type = resp.headers.get("content-type", "text/event-stream").encode()
         head.open(content_type)
         if not content_type.startswith(b"text/event-stream"):
+            req.kv_taken()  # an answer, not a stream: the engine ran the request
             async for chunk in resp.aiter_raw():
                 buffer.put(chunk)
             buffer.close()
             req.record_success(ep)
             return
         framer = EventFramer()
+        taken = False
         async for chunk in resp.aiter_raw():
             data = framer.feed(chunk)
             if data:
+                if not taken and b'"error"' not in data:
+                    # The first output proves decode scheduled the request and so pulled the
+                    # prefill's KV blocks (its head does not: see trio_pdrouter.lifecycle).
+                    taken = True
+                    req.kv_taken()
                 buffer.put(data)
         if framer.pending or not framer.saw_done:
             failure = outcomes.invalid(call.stage, ep, "stream ended without [DONE]")

@@ -52,8 +52,10 @@ class OutcomeSink(Protocol):
 class Attempt:
     """One try at serving a request: its endpoints, charged in ``lease``, and its request id.
 
-    ``decode`` is the regular-mode worker when ``prefill`` is None. The lease releases each
-    endpoint exactly once (see :mod:`.load`); the legs release theirs as they end.
+    ``decode`` is the regular-mode worker when ``prefill`` is None. With ``reuses_kv`` the
+    attempt sends only the decode leg, with the KV blocks an earlier attempt's prefill (on
+    ``prefill``, not charged here) still holds. The lease releases each endpoint exactly once
+    (see :mod:`.load`); the legs release theirs as they end.
     """
 
     number: int
@@ -61,11 +63,16 @@ class Attempt:
     decode: Endpoint
     lease: Lease
     request_id: str
+    reuses_kv: bool = False
 
     @property
     def stage(self) -> str:
         """The stage name of the generating leg, as errors and metrics label it."""
         return "worker" if self.prefill is None else "decode"
+
+    @property
+    def runs_prefill(self) -> bool:
+        return self.prefill is not None and not self.reuses_kv
 
     def routing_headers(self) -> Headers:
         """Response headers that explain the decision: the request id and the endpoints."""
@@ -91,6 +98,7 @@ class Request:
         "inf",
         "kv_params",
         "life",
+        "prefill_answer",
         "prefill_ms",
         "rejection",
         "started",
@@ -107,7 +115,8 @@ class Request:
         self.attempt: Attempt | None = None
         #: The last failure recorded; the answer when the request fails.
         self.failure: LegFailure | None = None
-        #: The current attempt's prefill ``kv_transfer_params`` (None without KV to pull).
+        #: The last prefill's answer and its ``kv_transfer_params`` (None without KV to pull).
+        self.prefill_answer: dict[str, Any] | None = None
         self.kv_params: Any = None
         self.upstream_errors: list[tuple[str, str, str]] = []
         self.prefill_ms: float | None = None
@@ -125,9 +134,10 @@ class Request:
 
     def routed(self, attempt: Attempt) -> None:
         self.life.step(Event.ROUTE)
-        self.life.kv_step(KvEvent.NEXT_ATTEMPT)
         self.attempt = attempt
-        self.kv_params = None
+        if not attempt.reuses_kv:
+            self.life.kv_step(KvEvent.NEXT_ATTEMPT)
+            self.prefill_answer = self.kv_params = None
 
     def unroutable(self) -> None:
         self.life.step(Event.NO_ENDPOINT)
@@ -136,22 +146,28 @@ class Request:
         self.life.step(Event.SEND_PREFILL)
         self._prefill_sent_at = trio.current_time()
 
-    def prefill_answered(self, kv_params: Any) -> None:
-        """Prefill's answer was read; ``kv_params`` None means its one token was a stop."""
+    def prefill_answered(self, answer: dict[str, Any]) -> None:
+        """Prefill's answer was read; ``kv_transfer_params`` null means its token was a stop."""
         self.life.step(Event.PREFILL_ANSWERED)
         self.prefill_ms = (trio.current_time() - self._prefill_sent_at) * 1000
-        self.kv_params = kv_params
-        if kv_params is not None:
+        self.prefill_answer = answer
+        self.kv_params = answer.get("kv_transfer_params")
+        if self.kv_params is not None:
             self.life.kv_step(KvEvent.PREFILL_HELD)
 
     def decode_sent(self) -> None:
         self.life.step(Event.SEND_DECODE)
 
-    def decode_answered(self) -> None:
-        """The decode engine answered (a stream's head, or a whole answer): it has pulled the
-        prefill's KV blocks, if there were any (see :mod:`.lifecycle`)."""
+    def kv_taken(self) -> None:
+        """Decode has taken the prefill's KV blocks, if there are any: a stream's first event,
+        or a non-streaming leg sent (see :mod:`.lifecycle` for why)."""
         if self.life.kv is KvOwner.PREFILL:
             self.life.kv_step(KvEvent.PULLED)
+
+    def kv_refused(self) -> None:
+        """Decode proved it did not take the blocks (an error answer, or never reached)."""
+        if self.life.kv is KvOwner.DECODE:
+            self.life.kv_step(KvEvent.REFUSED)
 
     def stream_started(self) -> None:
         self.life.step(Event.STREAM_STARTED)

@@ -277,5 +277,9 @@ async def _maintain_policies(routing: Routing, interval: float) -> None:
         await trio.sleep(interval)
         more = True
         while more:
-            more = routing.maintain()
+            try:
+                more = routing.maintain()
+            except Exception:  # a bug in a policy must not end the router; try next round
+                log.exception("policy maintenance failed")
+                more = False
             await trio.lowlevel.checkpoint()  # let requests run between eviction slices

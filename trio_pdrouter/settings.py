@@ -153,7 +153,7 @@ class RetrySettings:
             Group.RESILIENCE,
             "attempts per request in all (1 = no retry). Prefill is retried on another"
             " endpoint after connection errors, 5xx, 429 and timeouts; decode only before the"
-            " client got a byte, and then with a fresh prefill",
+            " client got a byte, then on another decode with the prefill's KV blocks",
             type=int,
         ),
         switch=Switch(

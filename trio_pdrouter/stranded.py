@@ -50,9 +50,9 @@ class KvReclaimer:
         self._upstream_api_key = upstream_api_key
         self._on_reclaim = on_reclaim
 
-    def reclaim(self, req: Request, attempt: Attempt) -> None:
-        """Start the reclaim of ``attempt``'s KV blocks; never awaits."""
-        inf, ep = req.inf, attempt.decode
+    def reclaim(self, req: Request, attempt: Attempt, ep: Endpoint) -> None:
+        """Start the reclaim of ``attempt``'s KV blocks on decode endpoint ``ep``; never awaits."""
+        inf = req.inf
         content = orjson.dumps(pd.stranded_decode_body(inf.body, req.kv_params))
         headers = pd.upstream_headers(inf.headers, attempt.request_id, ep, self._upstream_api_key)
         # Charged now, synchronously: the engine is about to run this request.
@@ -72,6 +72,6 @@ class KvReclaimer:
                 ) as resp:
                     async for _ in resp.aiter_raw():
                         break  # the first event means the KV blocks were pulled
-            except httpx.HTTPError as exc:
+            except Exception as exc:  # background work: log and end, never take the router down
                 log.info("stranded_kv endpoint=%s error=%s", ep.key, type(exc).__name__)
         self._on_reclaim(ep)

@@ -486,7 +486,8 @@ class SimApp:
                     "headers": [*_SSE_HEADERS, *extra_headers],
                 }
             )
-            await emit.start()
+            # As vLLM: the head goes out at once, the first events with the engine's first
+            # output, after the request was scheduled (and its remote KV pulled).
 
         result: GenResult | None = None
         reset = False
@@ -628,6 +629,8 @@ class SimApp:
         cfg, rng = self.state.config, self.state.rng
         tokens: list[str] = []
         finish = "length"
+        if req.stream:
+            await emit.start()
         for i in range(req.max_tokens):
             await self._stall_or_reset(plan, i)
             delay = engine.token_seconds()
