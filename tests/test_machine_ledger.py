@@ -252,3 +252,15 @@ def test_another_worker_chooses_only_once_a_charging_worker_has_charged(
         a.lease(D[0])
     thread.join(10)
     assert chosen == [D[1]]
+
+
+def test_a_retired_endpoint_is_forgotten_at_its_last_release(
+    attach: Callable[[], MachineTable],
+) -> None:
+    ledger = MachineLedger(attach(), 0, D)
+    lease = ledger.lease(D[0])
+    ledger.forget_when_idle(D[0])
+    assert ledger.snapshot()["decode"] == {"http://d:1@0": 1, "http://d:1@1": 0}
+    lease.release_all()
+    assert ledger.snapshot()["decode"] == {"http://d:1@1": 0}
+    assert ledger.load(D[0]) == 0

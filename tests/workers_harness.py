@@ -27,6 +27,15 @@ class Supervised:
     _changed: trio.Event = attrs.field(factory=trio.Event)
 
     async def _read_log(self) -> None:
+        """Collect the log; when the test ends (its nursery is cancelled), kill the supervisor
+        if it still runs: its workers follow it (they get SIGTERM when it dies)."""
+        try:
+            await self._follow_log()
+        finally:
+            if self.proc.returncode is None:
+                self.proc.kill()
+
+    async def _follow_log(self) -> None:
         assert self.proc.stderr is not None
         pending = b""
         async for chunk in self.proc.stderr:

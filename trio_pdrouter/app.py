@@ -23,7 +23,7 @@ from .endpoints import Role
 from .engine_truth import EngineTruth
 from .errors import RouterError
 from .fleet import DuplicateServer, Fleet
-from .health import HealthBoard
+from .health import HealthBoard, Verdicts
 from .load import LoadLedger
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .policies.routing_key import routing_key
@@ -70,6 +70,7 @@ class RouterApp:
         metrics: RouterMetrics,
         health: HealthBoard,
         engine_truth: EngineTruth | None,
+        verdicts: Verdicts | None,
     ) -> None:
         self._config = config
         self.fleet = fleet
@@ -80,8 +81,11 @@ class RouterApp:
         self.metrics = metrics
         #: Health probes (run by :func:`trio_pdrouter.server.run_router`).
         self.health = health
-        #: The engines' own counts, when --engine-metrics-interval is not 0.
+        #: The engines' own counts, when --engine-metrics-interval is not 0 (and, with
+        #: --workers N, in the prober only).
         self.engine_truth = engine_truth
+        #: With --workers N, in every worker but the prober: the verdicts health follows.
+        self.verdicts = verdicts
         self.routes: dict[str, dict[str, Handler]] = {
             "/health": {"GET": self._health},
             "/liveness": {"GET": self._health},

@@ -48,6 +48,11 @@ class MachineLedger(LoadLedger):
     def table(self) -> MachineTable:
         return self._table
 
+    @property
+    def row(self) -> int:
+        """This worker's row (its index among the workers)."""
+        return self._row
+
     def add_endpoint(self, endpoint: Endpoint) -> None:
         if endpoint not in self._slots:
             self._slots[endpoint] = self._table.slot(slot_key(endpoint))

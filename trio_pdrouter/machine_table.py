@@ -44,6 +44,8 @@ ENTRY_BYTES = 512
 LOG_ENTRIES = 1024
 #: Columns of a slot: the in-flight count, the part of it charged but not yet sent (PENDING).
 COUNT, PENDING = 0, 1
+#: In a URL's own slot ("health URL"), in the prober's row: the health verdict it published.
+VERDICT = 2
 DEFAULT_COLUMNS = 4  # COUNT, PENDING and two spare (token-weight columns of a later issue)
 
 
@@ -169,6 +171,10 @@ class MachineTable:
         cells = self._cells
         cells[i] += delta
         return int(cells[i])
+
+    def put(self, row: int, slot: int, column: int, value: int) -> None:
+        """Set one cell of ``row`` (the caller's own row)."""
+        self._cells[(row * self.slots + slot) * self.columns + column] = value
 
     def cell(self, row: int, slot: int, column: int) -> int:
         return int(self._cells[(row * self.slots + slot) * self.columns + column])

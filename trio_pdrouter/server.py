@@ -25,6 +25,7 @@ from .fleet import Fleet, MachineServers
 from .health import HealthBoard
 from .legs import BufferedDecode, PrefillLeg
 from .load import LoadLedger
+from .machine_health import PROBER_ROW, MachineVerdicts
 from .machine_ledger import MachineLedger
 from .metrics import MetricsApp, RouterMetrics
 from .policies import make_policy
@@ -113,7 +114,14 @@ def build_app(
         for ep in fleet.endpoints_of(url):
             metrics.health(ep.key, healthy)
 
-    health = HealthBoard(config.health, on_change=health_changed)
+    verdicts = None
+    prober = True  # this process probes health and scrapes the engines
+    if isinstance(ledger, MachineLedger):
+        verdicts = MachineVerdicts(ledger.table)
+        prober = ledger.row == PROBER_ROW
+    health = HealthBoard(
+        config.health, on_change=health_changed, verdicts=verdicts if prober else None
+    )
     breakers = Breakers(
         config.breaker,
         in_flight=ledger.load,
@@ -178,7 +186,7 @@ def build_app(
         rng=rng,
     )
     truth = None
-    if config.engine_metrics_interval > 0:
+    if config.engine_metrics_interval > 0 and prober:
         truth = EngineTruth(
             fleet.endpoints, ledger, client, config.engine_metrics_interval, metrics
         )
@@ -192,6 +200,7 @@ def build_app(
         metrics=metrics,
         health=health,
         engine_truth=truth,
+        verdicts=None if prober else verdicts,
     )
 
 
@@ -230,7 +239,9 @@ async def run_router(
         nursery.start_soon(app.fleet.follow, FOLLOW_INTERVAL)
         if app.engine_truth is not None:
             nursery.start_soon(app.engine_truth.run)
-        if config.health.interval_secs > 0:
+        if config.health.interval_secs > 0 and app.verdicts is not None:
+            nursery.start_soon(app.health.follow, app.verdicts, FOLLOW_INTERVAL)
+        elif config.health.interval_secs > 0:
             await nursery.start(app.health.run, client)
         metrics_url = None
         if config.prometheus_port is not None:

@@ -5,13 +5,17 @@ ARGV...``: its row in the machine table, the table's shared-memory name and lock
 listening sockets it inherited (``METRICS_FD`` -1 without ``--prometheus-port``), and the
 router's own command line. Once it listens it writes ``ready`` on stdout
 (the supervisor's only channel from it; logs go to the inherited stderr) and serves until
-SIGTERM/SIGINT, with the single-process router's graceful rules.
+SIGTERM/SIGINT, with the single-process router's graceful rules; if the supervisor dies, the
+kernel sends it SIGTERM, so no worker outlives its supervisor.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -22,6 +26,7 @@ from .machine_ledger import MachineLedger
 from .machine_table import MachineTable
 
 READY = b"ready\n"
+_PR_SET_PDEATHSIG = 1
 
 
 #: The command of worker ``row`` given the table, the two fds and the router's argv.
@@ -45,9 +50,19 @@ def worker_command(
     ]
 
 
+def _stop_with_the_supervisor() -> None:
+    """Have the kernel send this worker SIGTERM (a graceful stop) if the supervisor dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # it died before the line above ran
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(args: Sequence[str]) -> None:
     from .server import run_router, wait_for_signal
 
+    _stop_with_the_supervisor()
     row, name, lock_path, fd, metrics_fd = int(args[0]), args[1], args[2], *map(int, args[3:5])
     config = parse_config(args[5:])
     configure_logging(config.log_level)
