@@ -1,7 +1,7 @@
 """``python -m benchmarks --profile quick|full [--only SCENARIO ...]``: run, save, report.
 
 Scenarios run in order of importance: routing (4), overhead (1), relay (2), memory (3),
-radix_tree (5). Each writes ``benchmarks/results/<date>-<scenario>.json``; then
+radix_tree (5), workers (6). Each writes ``benchmarks/results/<date>-<scenario>.json``; then
 ``benchmarks/report.md`` is rebuilt from the newest result of every scenario. Process logs
 (routers, simulators, load generators) go to a fresh temporary directory, printed at the start.
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from . import memory, overhead, radix_tree, relay, report, routing
+from . import memory, overhead, radix_tree, relay, report, routing, workers
 from .common import Context, Progress
 
 
@@ -40,6 +40,7 @@ SCENARIOS: dict[str, tuple[Callable[[Context], dict[str, Any]], Callable[[str], 
     "relay": (relay.run, relay.estimate),
     "memory": (memory.run, memory.estimate),
     "radix_tree": (_radix, _radix_estimate),
+    "workers": (workers.run, workers.estimate),
 }
 
 
