@@ -6,7 +6,7 @@ import pytest
 import trio
 import trio.testing
 
-from trio_pdrouter.admission import QUEUE_FULL, QUEUE_TIMEOUT, Admission, Rejected
+from trio_pdrouter.admission import QUEUE_FULL, QUEUE_TIMEOUT, RATE_LIMITED, Admission, Rejected
 from trio_pdrouter.config import AdmissionSettings
 
 
@@ -85,7 +85,7 @@ async def test_full_queue_is_refused_with_429() -> None:
                 pytest.fail("admitted past a full queue")
         assert info.value.error.status == 429
         assert info.value.error.type == "rate_limit_error"
-        assert adm.rejections == {QUEUE_FULL: 1, QUEUE_TIMEOUT: 0}
+        assert adm.rejections == {QUEUE_FULL: 1, QUEUE_TIMEOUT: 0, RATE_LIMITED: 0}
         assert (adm.in_flight, adm.queued) == (1, 1)
         release.set()
     assert admitted == ["x", "queued"]
@@ -114,7 +114,7 @@ async def test_queue_timeout_is_refused_with_408(autojump_clock: trio.testing.Mo
                 pytest.fail("admitted past the limit")
         assert trio.current_time() - start == pytest.approx(5.0)
         assert info.value.error.status == 408
-        assert adm.rejections == {QUEUE_FULL: 0, QUEUE_TIMEOUT: 1}
+        assert adm.rejections == {QUEUE_FULL: 0, QUEUE_TIMEOUT: 1, RATE_LIMITED: 0}
         assert (adm.in_flight, adm.queued) == (1, 0)
     assert adm.in_flight == 0
 

@@ -111,7 +111,7 @@ FLAGS_BEFORE = [
     "--health-failure-threshold", "--health-success-threshold", "--help", "--host",
     "--intra-node-data-parallel-size", "--keep-alive-timeout-secs", "--kv-connector",
     "--log-level", "--max-buffered-bytes", "--max-concurrent-requests", "--max-payload-size",
-    "--max-tree-size", "--no-release-stranded-kv", "--policy", "--port", "--prefill",
+    "--max-tree-size", "--max-upstream-answer-bytes", "--no-release-stranded-kv", "--policy", "--port", "--prefill",
     "--prefill-policy", "--prefill-timeout-secs", "--prometheus-host", "--prometheus-port",
     "--queue-size", "--queue-timeout-secs", "--release-decode-at-headers",
     "--release-stranded-kv", "--request-id-headers", "--request-timeout-secs",
@@ -122,15 +122,49 @@ FLAGS_BEFORE = [
 ]  # fmt: skip
 
 
-def test_the_flag_set_is_the_one_before() -> None:
-    spellings = [s for action in build_parser()._actions for s in action.option_strings]
-    assert sorted(spellings) == FLAGS_BEFORE
+#: Every option of vllm-router 0.1.17 (``vllm-router --help``).
+VLLM_ROUTER_FLAGS = [
+    "--api-key", "--balance-abs-threshold", "--balance-rel-threshold", "--cache-threshold",
+    "--cb-failure-threshold", "--cb-success-threshold", "--cb-timeout-duration-secs",
+    "--cb-window-duration-secs", "--cors-allowed-origins", "--decode", "--decode-policy",
+    "--decode-selector", "--disable-circuit-breaker", "--disable-retries", "--enable-igw",
+    "--enable-program-scheduling", "--eviction-interval-secs", "--health-check-endpoint",
+    "--health-check-interval-secs", "--health-check-timeout-secs", "--health-failure-threshold",
+    "--health-success-threshold", "--host", "--intra-node-data-parallel-size",
+    "--kv-aware-session-affinity-ttl-secs", "--kv-connector", "--kv-event-block-size",
+    "--kv-event-model", "--kv-event-replay-source", "--kv-event-source", "--kv-penalty-disk",
+    "--kv-penalty-external", "--kv-penalty-host", "--log-dir", "--log-level",
+    "--max-concurrent-requests", "--max-payload-size", "--max-tree-size", "--mini-lb",
+    "--pd-kv-events", "--policy", "--port", "--prefill", "--prefill-policy", "--prefill-selector",
+    "--program-scheduling-config-json", "--prometheus-host", "--prometheus-port", "--queue-size",
+    "--queue-timeout-secs", "--rate-limit-tokens-per-second", "--request-id-headers",
+    "--request-timeout-secs", "--retry-backoff-multiplier", "--retry-initial-backoff-ms",
+    "--retry-jitter-factor", "--retry-max-backoff-ms", "--retry-max-retries",
+    "--router-temperature", "--selector", "--service-discovery", "--service-discovery-namespace",
+    "--service-discovery-port", "--vllm-discovery-address", "--vllm-pd-disaggregation",
+    "--wasm-middleware", "--wasm-middleware-route", "--wasm-middleware-sha256",
+    "--worker-startup-check-interval", "--worker-startup-timeout-secs", "--worker-urls",
+]  # fmt: skip
+
+
+def test_no_flag_was_lost_and_every_vllm_router_flag_is_declared() -> None:
+    spellings = {s for action in build_parser()._actions for s in action.option_strings}
+    assert set(FLAGS_BEFORE) <= spellings
+    assert set(VLLM_ROUTER_FLAGS) <= spellings
 
 
 REGULAR = ["--worker-urls", "http://w:1"]
 PD = ["--vllm-pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://d:2"]
 #: Values for flags whose value is a name, by metavar: a URL, a header, a bootstrap port.
-SAMPLES = {"URL": "http://sample:9", "HEADER": "X-Sample", "BOOTSTRAP_PORT": "8998"}
+SAMPLES = {
+    "URL": "http://sample:9",
+    "HEADER": "X-Sample",
+    "BOOTSTRAP_PORT": "8998",
+    "ORIGIN": "http://sample.example",
+    "PATH": "/v1/sample",
+    "KEY=VALUE": "app=sample",
+    "URL=ENDPOINT[,ENDPOINT...]": "http://sample:9=tcp://sample:5557",
+}
 
 
 def sample(option: flags.Flag | flags.Switch, default: Any) -> list[str]:
@@ -152,10 +186,12 @@ def sample(option: flags.Flag | flags.Switch, default: Any) -> list[str]:
 
 
 DECLARED = list(flags.declared(RouterConfig))
+SUPPORTED = [d for d in DECLARED if isinstance(d[2], flags.Switch) or d[2].refused is None]
+REFUSED = [option for _, _, option in DECLARED if isinstance(option, flags.Flag) and option.refused]
 
 
 @pytest.mark.parametrize(
-    ("path", "field", "option"), DECLARED, ids=[option.spelling for _, _, option in DECLARED]
+    ("path", "field", "option"), SUPPORTED, ids=[option.spelling for _, _, option in SUPPORTED]
 )
 def test_every_flag_sets_its_field(
     path: tuple[str, ...], field: Any, option: flags.Flag | flags.Switch
@@ -221,3 +257,97 @@ def test_normalize_url_refuses_https_clearly() -> None:
     with pytest.raises(ValueError, match="must start with http://"):
         normalize_url("ftp://a:1")
     assert normalize_url("http://a:1/") == "http://a:1"
+
+
+@pytest.mark.parametrize("option", REFUSED, ids=[option.spelling for option in REFUSED])
+def test_a_refused_flag_parses_and_is_refused_by_name(
+    option: flags.Flag, capsys: pytest.CaptureFixture[str]
+) -> None:
+    field = next(f for _, f, o in DECLARED if o is option)
+    with pytest.raises(SystemExit) as info:
+        parse_config([*REGULAR, *sample(option, field.default)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments" not in err and "usage:" not in err
+    assert f"  {option.spelling}" in err and option.refused is not None
+    assert option.refused in err
+
+
+def test_a_refused_flag_given_its_default_is_accepted() -> None:
+    config = parse_config(
+        [*REGULAR, "--service-discovery-port", "80", "--kv-event-block-size", "16"]
+    )
+    assert config.discovery.port == 80 and config.kv_events.block_size == 16
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--policy", "kv_aware"], "--policy kv_aware"),
+        (["--decode-policy", "sticky_least_loaded"], "--decode-policy sticky_least_loaded"),
+        (["--kv-connector", "mooncake"], "--kv-connector mooncake"),
+        (["--kv-connector", "moriio"], "--kv-connector moriio"),
+    ],
+)
+def test_vllm_router_choices_we_lack_are_refused_by_name(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_config([*PD, *argv])
+    assert info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+#: A vllm-router launch command giving every one of its flags a value (other than its default
+#: where it has one), with only the program name changed.
+EVERY_VLLM_ROUTER_FLAG = [
+    "--host", "127.0.0.1", "--port", "0", "--worker-urls", "--enable-program-scheduling",
+    "--program-scheduling-config-json", "{}", "--policy", "kv_aware",
+    "--prefill-policy", "cache_aware", "--decode-policy", "sticky_least_loaded",
+    "--router-temperature", "0.5", "--kv-penalty-host", "0.7", "--kv-penalty-external", "0.5",
+    "--kv-penalty-disk", "0.2", "--kv-aware-session-affinity-ttl-secs", "60",
+    "--kv-event-source", "http://p:1=tcp://p:5557", "--kv-event-replay-source",
+    "http://p:1=tcp://p:5558", "--kv-event-block-size", "32", "--kv-event-model", "m",
+    "--pd-kv-events", "http://p:1=tcp://p:5557", "--mini-lb", "--vllm-pd-disaggregation",
+    "--prefill", "http://p:1", "8998", "--prefill", "http://p:2", "none", "--decode", "http://d:1",
+    "--worker-startup-timeout-secs", "5", "--worker-startup-check-interval", "1",
+    "--cache-threshold", "0.5", "--balance-abs-threshold", "32", "--balance-rel-threshold", "1.1",
+    "--eviction-interval-secs", "60", "--max-tree-size", "1000000", "--max-payload-size",
+    "1000000", "--wasm-middleware", "/m.wasm", "--wasm-middleware-sha256", "ab",
+    "--wasm-middleware-route", "/v1/completions", "--intra-node-data-parallel-size", "2",
+    "--enable-igw", "--api-key", "k", "--log-dir", "/tmp/logs", "--log-level", "debug",
+    "--service-discovery", "--selector", "app=vllm", "--service-discovery-port", "8000",
+    "--service-discovery-namespace", "ns", "--prefill-selector", "role=p", "--decode-selector",
+    "role=d", "--vllm-discovery-address", "0.0.0.0:30001", "--kv-connector", "mooncake",
+    "--prometheus-port", "0", "--prometheus-host", "127.0.0.1", "--request-id-headers",
+    "x-request-id", "--request-timeout-secs", "60", "--retry-max-retries", "3",
+    "--retry-initial-backoff-ms", "10", "--retry-max-backoff-ms", "100",
+    "--retry-backoff-multiplier", "2", "--retry-jitter-factor", "0.1", "--disable-retries",
+    "--cb-failure-threshold", "5", "--cb-success-threshold", "2", "--cb-timeout-duration-secs",
+    "30", "--cb-window-duration-secs", "60", "--disable-circuit-breaker",
+    "--health-failure-threshold", "2", "--health-success-threshold", "1",
+    "--health-check-timeout-secs", "2", "--health-check-interval-secs", "10",
+    "--health-check-endpoint", "/health", "--max-concurrent-requests", "64", "--queue-size", "8",
+    "--queue-timeout-secs", "5", "--rate-limit-tokens-per-second", "100",
+    "--cors-allowed-origins", "http://ui.example",
+]  # fmt: skip
+
+
+def test_a_launch_command_with_every_vllm_router_flag_exits_2_with_one_message() -> None:
+    given = {arg for arg in EVERY_VLLM_ROUTER_FLAG if arg.startswith("--")}
+    assert given == set(VLLM_ROUTER_FLAGS)
+    done = subprocess.run(
+        [sys.executable, "-m", "trio_pdrouter", *EVERY_VLLM_ROUTER_FLAG],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    lines = done.stderr.splitlines()
+    assert (
+        lines[0] == "trio-pdrouter: error: vllm-router flags that trio-pdrouter does not support:"
+    )
+    named = {name.split()[0] for line in lines[1:] for name in line.split(": ", 1)[0].split(", ")}
+    refused = {option.spelling for option in REFUSED} | {"--policy", "--kv-connector"}
+    refused.add("--decode-policy")
+    assert named == refused & given

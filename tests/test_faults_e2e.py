@@ -302,9 +302,9 @@ async def test_client_leaves(phase: str, how: str, transports: list[CountingTran
 @pytest.mark.parametrize(
     ("stage", "spec", "count", "stream", "status", "aborted"),
     [
-        ("prefill", "error:503", 1, True, 502, {}),
+        ("prefill", "error:503", 1, True, 503, {}),
         ("prefill", "reset:0", 1, False, 502, {}),
-        ("decode", "error:500", 1, True, 502, {}),
+        ("decode", "error:500", 1, True, 500, {}),
         ("decode", "reset:0", 1, True, 502, {}),
         ("decode", "reset:3", 1, True, 200, {"decode": 1}),
         ("decode", "reset:2", 1, False, 502, {"decode": 1}),
@@ -320,7 +320,8 @@ async def test_upstream_fault(
     transports: list[CountingTransport],
 ) -> None:
     """An engine answers 5xx or drops the connection: the client gets an error in the right
-    shape (a 502, or after the 200 an error event and ``[DONE]``), and nothing stays charged.
+    shape (the engine's own 5xx, a 502, or after the 200 an error event and ``[DONE]``), and
+    nothing stays charged.
 
     A warm-up request leaves a keep-alive connection to each simulator, so the faulty request
     goes out on a reused one. The transport never sends a POST twice once it reached the engine
@@ -341,8 +342,10 @@ async def test_upstream_fault(
             error = orjson.loads(resp.content.split(b"\n\n")[-3].removeprefix(b"data: "))
             assert error["error"]["code"] == 502
             assert _events(resp.content) == 3
-        else:
+        elif status == 502:
             assert resp.json()["error"]["type"] == "upstream_error"
+        else:  # the engine's answer, passed through
+            assert resp.json()["error"]["message"] == f"simulated fault: HTTP {status}"
         await assert_released(c, transports, aborted=aborted)
         nursery.cancel_scope.cancel()
 

@@ -178,8 +178,8 @@ def test_the_proxy_cannot_be_built_without_a_reclaimer() -> None:
             routing=r.routing,
             admission=Admission(AdmissionSettings()),
             outcomes=r.breakers,
-            prefill=PrefillLeg(client, 1.0, None),
-            buffered=BufferedDecode(client, 1.0),
+            prefill=PrefillLeg(client, 1.0, None, 1 << 20),
+            buffered=BufferedDecode(client, 1.0, 1 << 20),
             relay=DecodeRelay(
                 client,
                 first_byte_limit=1.0,

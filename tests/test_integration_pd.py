@@ -103,15 +103,16 @@ async def test_prefill_4xx_is_passed_through() -> None:
         nursery.cancel_scope.cancel()
 
 
-async def test_prefill_5xx_becomes_502() -> None:
+async def test_prefill_5xx_reaches_the_client_as_the_engine_sent_it() -> None:
     async with trio.open_nursery() as nursery:
         c = await start_cluster(
             nursery, prefill_sim=SimConfig.fast(port=0, role="prefill", faults=("error:503",))
         )
         resp = await c.client.post(c.url + "/v1/completions", json=COMPLETION)
-        assert resp.status_code == 502
+        assert resp.status_code == 503
         error = resp.json()["error"]
-        assert error["type"] == "upstream_error" and "503" in error["message"]
+        assert error["type"] == "ServiceUnavailableError" and error["code"] == 503
+        assert error["message"] == "simulated fault: HTTP 503"
         assert c.router.ledger.total() == 0
         nursery.cancel_scope.cancel()
 

@@ -31,12 +31,14 @@ async def totals(c: Cluster, role: str) -> dict[str, Any]:
 
 
 async def kv_settled(c: Cluster) -> None:
-    """Within a second: the prefill holds no blocks, and the router no load."""
+    """The prefill holds no blocks, and the router no load: at once, long before the
+    simulators' KV timeout (30 s) would have freed them as leaked (a bound on the poll of a
+    loaded machine, not a timing claim)."""
 
     async def settled() -> bool:
         return (await totals(c, "prefill"))["kv_blocks_held"] == 0 and not c.router.ledger.total()
 
-    await eventually(settled, timeout=1.0)
+    await eventually(settled, timeout=10.0)
     assert (await totals(c, "prefill"))["kv_blocks_leaked"] == 0
 
 

@@ -582,6 +582,18 @@ class LifecycleMachine(RuleBasedStateMachine):
         self._shutdown()
         self.check_everything_released()
 
+    @precondition(lambda self: self._may("shutdown") and bool(self._live()))
+    @rule()
+    def shutdown_deadline_passes(self) -> None:
+        """The graceful timeout is over: the router ends every undecided request itself."""
+        self._step(self.app.proxy.shut_down)
+        for req in self._live():
+            if not req.exchange.draining.is_set():
+                continue  # its send is blocked: it ends once the client reads again
+            assert req.exchange.complete or req.exchange.disconnect.is_set(), req.request_id
+            if req.exchange.status == 503:
+                assert b"shutting down" in bytes(req.exchange.body)
+
     def _shutdown(self) -> None:
         """hypercorn's end of a graceful shutdown: every request task is cancelled."""
 
@@ -655,7 +667,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             # Reading, and no engine works for it: only a retry's backoff is left.
             return frozenset({Phase.RETRYING})
         # A client that stopped reading holds a send: mid-stream, or the final one.
-        return frozenset({Phase.RETRYING, Phase.STREAMING, Phase.ANSWERED, Phase.FAILED})
+        held = {Phase.RETRYING, Phase.STREAMING, Phase.ANSWERED, Phase.FAILED, Phase.SHUT_DOWN}
+        return frozenset(held)
 
     def _expected_kv(self, req: ClientRequest) -> KvOwner | None:
         """Who holds the current attempt's KV, when the calls tell (None: they do not)."""

@@ -149,7 +149,7 @@ async def test_retried_prefill_errors_are_counted_in_memory(
 
     app, upstream = make_app(pd_config(), handler, background)
     ex = await call(app, "POST", "/v1/completions", {**COMPLETION, "max_tokens": 2})
-    assert ex.status == 502
+    assert ex.status == 503
     attempts = len(upstream.requests)
     assert attempts > 1
     reply = await call(app, "GET", "/metrics")
@@ -158,7 +158,7 @@ async def test_retried_prefill_errors_are_counted_in_memory(
     kind = {"stage": "prefill", "endpoint": "http://prefill:8100", "kind": "status_503"}
     assert value(s, "trio_pdrouter_upstream_errors_total", **kind) == attempts
     assert value(s, "trio_pdrouter_retries_total", route="/v1/completions") == attempts - 1
-    labels = {"route": "/v1/completions", "status": "502", "stream": "false"}
+    labels = {"route": "/v1/completions", "status": "503", "stream": "false"}
     assert value(s, "trio_pdrouter_requests_total", **labels, outcome="upstream_error") == 1
 
 

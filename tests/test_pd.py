@@ -16,7 +16,7 @@ BODY = {
 
 
 def test_prefill_body_asks_for_one_token_and_kv_params() -> None:
-    out = pd.prefill_body(BODY)
+    out = pd.prefill_body(BODY, "/v1/completions")
     assert out["kv_transfer_params"] == {
         "do_remote_decode": True,
         "do_remote_prefill": False,
@@ -36,10 +36,24 @@ def test_prefill_body_asks_for_one_token_and_kv_params() -> None:
 
 
 def test_prefill_body_caps_every_token_budget_the_client_sent() -> None:
-    out = pd.prefill_body({"messages": [], "max_completion_tokens": 9, "min_completion_tokens": 2})
+    chat = {"messages": [], "max_completion_tokens": 9, "min_completion_tokens": 2}
+    out = pd.prefill_body(chat, "/v1/chat/completions")
     assert out["max_completion_tokens"] == 1 and out["max_tokens"] == 1
     assert "min_completion_tokens" not in out
-    assert pd.prefill_body({"input": "x", "max_output_tokens": 7})["max_output_tokens"] == 1
+
+
+def test_prefill_body_of_the_responses_api_caps_max_output_tokens_only() -> None:
+    for body in ({"input": "x", "max_output_tokens": 7}, {"input": "x"}):
+        out = pd.prefill_body(body, "/v1/responses")
+        assert out["max_output_tokens"] == 1 and "max_tokens" not in out
+        assert out["stream"] is False and out["kv_transfer_params"]["do_remote_decode"] is True
+
+
+def test_prefill_body_of_generate_caps_the_nested_sampling_params() -> None:
+    body = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 9, "min_tokens": 3, "top_p": 1}}
+    out = pd.prefill_body(body, "/inference/v1/generate")
+    assert out["sampling_params"] == {"max_tokens": 1, "top_p": 1}
+    assert "max_tokens" not in out and body["sampling_params"]["max_tokens"] == 9
 
 
 def test_decode_body_is_the_client_body_plus_params_verbatim() -> None:
@@ -70,6 +84,7 @@ def test_headers_forward_auth_trace_and_rank_but_nothing_hop_by_hop() -> None:
     assert out == {
         b"content-type": b"application/json",
         b"x-request-id": b"rid",
+        b"accept-encoding": b"identity",  # a compressed stream would reach the client undecoded
         b"authorization": b"Bearer c",
         b"traceparent": b"00-abc-def-01",
         b"tracestate": b"x=1",
@@ -100,10 +115,14 @@ def test_p2p_nccl_request_id_names_both_peers() -> None:
 
 
 def test_the_stranded_kv_pull_is_capped_at_one_token_like_the_prefill() -> None:
-    for cap in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+    for cap, path in (
+        ("max_tokens", "/v1/completions"),
+        ("max_completion_tokens", "/v1/chat/completions"),
+        ("max_output_tokens", "/v1/responses"),
+    ):
         body = {"model": "m", "prompt": "x", cap: 50, "min_tokens": 5, "stream_options": {}}
         kv = {"remote_block_ids": [1]}
-        out = pd.stranded_decode_body(body, kv)
-        assert out[cap] == 1 and pd.prefill_body(body)[cap] == 1
+        out = pd.stranded_decode_body(body, kv, path)
+        assert out[cap] == 1 and pd.prefill_body(body, path)[cap] == 1
         assert out["kv_transfer_params"] == kv and out["stream"] is True
         assert "min_tokens" not in out and "stream_options" not in out

@@ -190,8 +190,8 @@ async def test_stream_that_ends_without_done_is_reported(background: trio.Nurser
     ("prefill", "status", "error_type", "attempts"),
     [
         (lambda: json_response({"error": {"message": "bad", "code": 400}}, 400), 400, None, 1),
-        (lambda: json_response({"error": "boom"}, 500), 502, "upstream_error", 5),
-        (lambda: json_response({"error": "busy"}, 503), 502, "upstream_error", 5),
+        (lambda: json_response({"error": {"message": "boom", "code": 500}}, 500), 500, None, 5),
+        (lambda: json_response({"error": {"message": "busy", "code": 503}}, 503), 503, None, 5),
         (lambda: httpx.Response(200, content=b"not json"), 502, "upstream_error", 1),
     ],
 )
@@ -203,7 +203,8 @@ async def test_prefill_answers_are_mapped(  # type: ignore[no-untyped-def]
     autojump_clock: trio.testing.MockClock,
     background: trio.Nursery,
 ) -> None:
-    """4xx passes through at once; 5xx is retried (5 attempts by default), then a 502."""
+    """4xx passes through at once; 5xx is retried (5 attempts by default), then passed through
+    too (as vllm-router does); an answer the router cannot use is a 502."""
 
     async def handler(request: httpx.Request) -> httpx.Response:
         assert request.url.host == "prefill", "decode must not run after a failed prefill"
@@ -214,7 +215,8 @@ async def test_prefill_answers_are_mapped(  # type: ignore[no-untyped-def]
     assert ex.status == status
     body = ex.json()
     if error_type is None:
-        assert body == {"error": {"message": "bad", "code": 400}}  # passed through unchanged
+        message = body["error"]["message"]
+        assert body == {"error": {"message": message, "code": status}}  # passed through unchanged
     else:
         assert body["error"]["type"] == error_type and body["error"]["code"] == status
     assert len(upstream.requests) == attempts

@@ -9,6 +9,10 @@ finished, streams included::
     except Rejected as exc:
         ...answer exc.error (429 queue full, 408 queue timeout)...
 
+With ``--rate-limit-tokens-per-second``, a request first takes a token from a
+:class:`~.rate_limit.TokenBucket`; without one it is refused at once with 429 and
+``Retry-After``.
+
 When every slot is taken, a request waits in a FIFO queue of ``--queue-size`` places for at
 most ``--queue-timeout-secs``. A full queue (or ``queue_size`` 0) refuses at once with 429; a
 wait that times out is refused with 408.
@@ -29,15 +33,17 @@ import trio
 from . import errors
 from .config import AdmissionSettings
 from .errors import RouterError
+from .rate_limit import TokenBucket
 
 QUEUE_FULL = "queue_full"
 QUEUE_TIMEOUT = "queue_timeout"
+RATE_LIMITED = "rate_limited"
 
 
 class Rejected(Exception):
     """The request was refused admission; answer ``error`` to the client.
 
-    ``reason`` is :data:`QUEUE_FULL` or :data:`QUEUE_TIMEOUT`.
+    ``reason`` is :data:`QUEUE_FULL`, :data:`QUEUE_TIMEOUT` or :data:`RATE_LIMITED`.
     """
 
     def __init__(self, error: RouterError, reason: str) -> None:
@@ -56,14 +62,16 @@ class _Waiter:
 
 
 class Admission:
-    """The concurrency cap and its queue (see the module doc)."""
+    """The concurrency cap and its queue (see the module doc); ``bucket`` limits the rate of
+    arrivals (None: no rate limit)."""
 
-    def __init__(self, settings: AdmissionSettings) -> None:
+    def __init__(self, settings: AdmissionSettings, bucket: TokenBucket | None = None) -> None:
         self._settings = settings
+        self._bucket = bucket
         self._in_flight = 0
         # Insertion-ordered: the first key is the head of the queue; removal by key is O(1).
         self._queue: dict[_Waiter, None] = {}
-        self.rejections: dict[str, int] = {QUEUE_FULL: 0, QUEUE_TIMEOUT: 0}
+        self.rejections: dict[str, int] = {QUEUE_FULL: 0, QUEUE_TIMEOUT: 0, RATE_LIMITED: 0}
 
     @property
     def in_flight(self) -> int:
@@ -80,6 +88,13 @@ class Admission:
 
     async def _acquire(self) -> None:
         s = self._settings
+        if self._bucket is not None:
+            wait = self._bucket.take(trio.current_time())
+            if wait is not None:
+                self.rejections[RATE_LIMITED] += 1
+                rate = s.rate_limit_tokens_per_second
+                message = f"the router admits at most {rate} requests per second"
+                raise Rejected(errors.too_many_requests(message, retry_after=wait), RATE_LIMITED)
         if self._in_flight < s.max_concurrent_requests and not self._queue:
             self._in_flight += 1
             return

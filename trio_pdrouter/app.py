@@ -19,6 +19,7 @@ import trio
 from . import errors, pd, sampling
 from .asgi import Downstream, Receive, Reply, Scope, Send, answer_lifespan
 from .config import RouterConfig
+from .cors import Cors, origin_of
 from .endpoints import Role
 from .engine_truth import EngineTruth
 from .errors import RouterError
@@ -30,14 +31,14 @@ from .policies.routing_key import routing_key
 from .proxy import Proxy
 from .record import RequestRecord, access_line
 from .request import Inference
+from .routes import ROUTES, Route
 from .routing import Routing
 
 log = logging.getLogger("trio_pdrouter.access")
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-INFERENCE_ROUTES = ("/v1/completions", "/v1/chat/completions")
-OPEN_ROUTES = frozenset({"/health", "/liveness", "/readiness"})
+OPEN_ROUTES = frozenset({"/health", "/healthcheck", "/liveness", "/readiness"})
 WORKER_PREFIX = "/workers/"
 #: orjson parses JSON nested ~1000 deep but serialises only 255 levels; no OpenAI request nests
 #: beyond a handful, so anything deeper is refused before it is charged or forwarded.
@@ -73,6 +74,7 @@ class RouterApp:
         verdicts: Verdicts | None,
     ) -> None:
         self._config = config
+        self._cors = Cors(config.cors_allowed_origins)
         self.fleet = fleet
         self.routing = routing
         self.ledger = ledger
@@ -88,6 +90,7 @@ class RouterApp:
         self.verdicts = verdicts
         self.routes: dict[str, dict[str, Handler]] = {
             "/health": {"GET": self._health},
+            "/healthcheck": {"GET": self._health},  # vLLM's PD proxy example serves this one
             "/liveness": {"GET": self._health},
             "/readiness": {"GET": self._readiness},
             "/get_loads": {"GET": self._get_loads},
@@ -95,7 +98,7 @@ class RouterApp:
             "/v1/models": {"GET": self._models},
             "/metrics": {"GET": self._metrics},
         }
-        for path in INFERENCE_ROUTES:
+        for path in ROUTES:
             self.routes[path] = {"POST": self._inference}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -104,7 +107,25 @@ class RouterApp:
             return
         if scope["type"] != "http":
             return
+        origin = origin_of(scope)
+        if origin is not None:  # a browser: answer its preflight, or add CORS headers
+            if self._cors.is_preflight(scope):
+                await _reply(send, self._cors.preflight(origin))
+                return
+            send = self._cors.on_response(origin, send)
         path: str = scope["path"]
+        key = self._config.api_key
+        # Before the route is looked up: without the key, every route answers 401 alike, so
+        # none can be told apart (enumerated) by its 404 or 405.
+        if key is not None and path not in OPEN_ROUTES and not _authorized(scope, key):
+            await _reply(send, Reply.error(errors.unauthorized()))
+            return
+        if _smuggling(scope):
+            # RFC 9112 §6.1: a message with both may be a request smuggled past a proxy that
+            # trusts Content-Length; refuse it and close the connection.
+            error = errors.bad_request("request has both Content-Length and Transfer-Encoding")
+            await _reply(send, Reply.error(error, [(b"connection", b"close")]))
+            return
         methods = self.routes.get(path)
         if methods is None and path.startswith(WORKER_PREFIX):
             methods = {"DELETE": self._remove_worker}
@@ -118,10 +139,6 @@ class RouterApp:
                 errors.method_not_allowed(scope["method"], path), [(b"allow", allow)]
             )
             await _reply(send, reply)
-            return
-        key = self._config.api_key
-        if key is not None and path not in OPEN_ROUTES and not _authorized(scope, key):
-            await _reply(send, Reply.error(errors.unauthorized()))
             return
         await handler(scope, receive, send)
 
@@ -151,6 +168,16 @@ class RouterApp:
             if inference is None:  # the client left while sending its body: nobody to answer
                 return
             record = await self.proxy.handle(inference, receive, send)
+        self._account(record)
+
+    def account_unfinished(self) -> None:
+        """Log and count every request still in flight, as it stands (the process is about
+        to exit without them finishing)."""
+        for req in list(self.proxy.in_flight):
+            self._account(req.record())
+
+    def _account(self, record: RequestRecord) -> None:
+        """One access line and the metrics of one request."""
         if log.isEnabledFor(logging.INFO):
             log.info("%s", access_line(record))
         self.metrics.observe_request(record)
@@ -173,13 +200,14 @@ class RouterApp:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise BadRequest(errors.bad_request(f"request body is not valid JSON: {exc}")) from None
-        path: str = scope["path"]
-        _validate(path, body)
+        route = ROUTES[scope["path"]]
+        _validate(route, body)
         if _nested_deeper_than(body, MAX_JSON_DEPTH):
             raise BadRequest(errors.bad_request(f"JSON nested deeper than {MAX_JSON_DEPTH} levels"))
         stream = body.get("stream", False)
         return Inference(
-            path=path,
+            path=route.path,
+            route=route,
             body=body,
             headers=headers,
             stream=stream,
@@ -290,15 +318,16 @@ def _nested_deeper_than(value: Any, limit: int) -> bool:
     return False
 
 
-def _validate(path: str, body: Any) -> None:
+def _validate(route: Route, body: Any) -> None:
     if not isinstance(body, dict):
         raise BadRequest(errors.bad_request("request body must be a JSON object"))
-    if path == "/v1/chat/completions":
+    if "messages" in route.required:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest(errors.bad_request("'messages' must be a non-empty list", "messages"))
-    elif "prompt" not in body or body["prompt"] in (None, "", []):
-        raise BadRequest(errors.bad_request("'prompt' is required", "prompt"))
+    for name in route.required:
+        if body.get(name) in (None, "", [], {}):
+            raise BadRequest(errors.bad_request(f"'{name}' is required", name))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(errors.bad_request("'stream' must be a boolean", "stream"))
@@ -331,10 +360,19 @@ def _headers(scope: Scope) -> dict[str, str]:
 
 
 def _authorized(scope: Scope, api_key: str) -> bool:
+    """``Authorization: Bearer KEY``; the scheme's name is case-insensitive (RFC 7235)."""
     for name, value in scope["headers"]:
         if name.lower() == b"authorization":
-            return hmac.compare_digest(value, b"Bearer " + api_key.encode())
+            scheme, _, token = value.partition(b" ")
+            return scheme.lower() == b"bearer" and hmac.compare_digest(
+                token.strip(b" "), api_key.encode()
+            )
     return False
+
+
+def _smuggling(scope: Scope) -> bool:
+    names = {name.lower() for name, _ in scope["headers"]}
+    return b"content-length" in names and b"transfer-encoding" in names
 
 
 async def _reply(send: Send, reply: Reply) -> None:

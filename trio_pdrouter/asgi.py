@@ -30,7 +30,10 @@ class Reply:
 
     @classmethod
     def error(cls, error: RouterError, headers: Headers = ()) -> Reply:
-        return cls(error.status, [(b"content-type", JSON), *headers], error.body())
+        out = [(b"content-type", JSON), *headers]
+        if error.retry_after is not None:
+            out.append((b"retry-after", str(error.retry_after).encode()))
+        return cls(error.status, out, error.body())
 
     @classmethod
     def json(cls, body: bytes, status: int = 200) -> Reply:

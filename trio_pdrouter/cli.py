@@ -1,8 +1,9 @@
 """``trio-pdrouter``: the command line, flag for flag compatible with vllm-router.
 
 A vllm-router launch command works with only the program name changed. Flags of vllm-router that
-trio-pdrouter does not implement (service discovery, WASM middleware, KV events, ...) are
-rejected by name rather than silently ignored.
+trio-pdrouter does not implement (service discovery, WASM middleware, KV events, ...) parse, and
+the router then exits 2 with one message naming each of them with the alternative, rather than
+ignoring them silently.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import trio
 from . import __version__, flags
 from .config import RouterConfig
 from .flags import ConfigError
+from .log_files import configure_logging
 
 DESCRIPTION = """\
 A vLLM router for prefill/decode (PD) disaggregated serving and plain load balancing, built on
@@ -28,8 +30,11 @@ Regular mode: trio-pdrouter --worker-urls URL [URL ...]
 """
 
 EPILOG = """\
-routes: POST /v1/completions, POST /v1/chat/completions (streaming or not); GET /v1/models,
-/health, /liveness, /readiness, /get_loads (the load ledger), /workers, /metrics.
+routes: POST /v1/completions, /v1/chat/completions, /v1/responses, /inference/v1/generate
+(generation, streaming or not; split in PD mode); POST /v1/rerank, /rerank, /tokenize,
+/detokenize, /v1/embeddings, /pooling, /score, /v1/score, /classify (to one server); GET
+/v1/models, /health, /healthcheck, /liveness, /readiness, /get_loads (the load ledger), /workers,
+/metrics.
 """
 
 
@@ -53,26 +58,25 @@ def parse_config(argv: Sequence[str] | None = None) -> RouterConfig:
     try:
         return flags.build(RouterConfig, args)
     except ConfigError as exc:
-        parser.error(str(exc))
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
+        # Not parser.error(): the usage would bury the one message that matters.
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     from .server import run_router, wait_for_signal
+    from .startup import StartupTimeout
     from .supervisor import WorkersKeepDying, supervise
 
     argv = sys.argv[1:] if argv is None else list(argv)
     config = parse_config(argv)
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_dir)
     if config.server.workers == 1:
-        trio.run(lambda: run_router(config, shutdown_trigger=wait_for_signal))
+        try:
+            trio.run(
+                lambda: run_router(config, shutdown_trigger=wait_for_signal, exit_by_deadline=True)
+            )
+        except StartupTimeout as exc:
+            sys.exit(f"trio-pdrouter: {exc}")
         return
     failure = ""
     try:

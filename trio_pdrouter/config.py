@@ -25,6 +25,14 @@ from .settings import (
     ServerSettings,
     Timeouts,
 )
+from .unsupported import (
+    KV_EVENTS,
+    OTHER_CONNECTORS,
+    STICKY_LEAST_LOADED,
+    DiscoverySettings,
+    ExtensionSettings,
+    KvEventSettings,
+)
 
 __all__ = [
     "AdmissionSettings",
@@ -40,6 +48,8 @@ __all__ = [
 KV_CONNECTORS = ("nixl", "p2p_nccl")
 TRANSPORTS = ("h11", "httpx")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+#: vllm-router's policies that trio-pdrouter does not have, with the reason and the alternative.
+REFUSED_POLICIES = {"kv_aware": KV_EVENTS, "sticky_least_loaded": STICKY_LEAST_LOADED}
 
 
 def _upstream_urls(instance: Any, field: attrs.Attribute[Any], urls: tuple[str, ...]) -> None:
@@ -139,6 +149,7 @@ class RouterConfig:
             "vLLM KV connector: nixl (pull-based), or p2p_nccl (request ids carry both"
             " peers' addresses)",
             choices=KV_CONNECTORS,
+            refused_choices={"mooncake": OTHER_CONNECTORS, "moriio": OTHER_CONNECTORS},
         ),
     )
     transport: str = setting(
@@ -154,7 +165,13 @@ class RouterConfig:
     # -- routing policy
     policy: str = setting(
         "cache_aware",
-        Flag("--policy", Group.ROUTING_POLICY, "policy of every stage", choices=POLICY_NAMES),
+        Flag(
+            "--policy",
+            Group.ROUTING_POLICY,
+            "policy of every stage",
+            choices=POLICY_NAMES,
+            refused_choices=REFUSED_POLICIES,
+        ),
     )
     prefill_policy: str | None = setting(
         None,
@@ -163,6 +180,7 @@ class RouterConfig:
             Group.ROUTING_POLICY,
             "override --policy for prefill",
             choices=POLICY_NAMES,
+            refused_choices=REFUSED_POLICIES,
         ),
     )
     decode_policy: str | None = setting(
@@ -172,6 +190,7 @@ class RouterConfig:
             Group.ROUTING_POLICY,
             "override --policy for decode",
             choices=POLICY_NAMES,
+            refused_choices=REFUSED_POLICIES,
         ),
     )
     policy_settings: PolicySettings = section(PolicySettings)
@@ -202,7 +221,7 @@ class RouterConfig:
         ),
     )
     request_id_headers: tuple[str, ...] = setting(
-        ("x-request-id", "x-correlation-id", "x-trace-id"),
+        ("x-request-id", "x-correlation-id", "x-trace-id", "request-id"),
         Flag(
             "--request-id-headers",
             Group.REQUESTS,
@@ -215,7 +234,7 @@ class RouterConfig:
     #: Bytes of decode output the router buffers for a client that reads slower than the engine
     #: writes; past it the client is treated as gone (the engine is aborted, the load released).
     max_buffered_bytes: int = setting(
-        16 * 1024 * 1024,
+        4 * 1024 * 1024,
         Flag(
             "--max-buffered-bytes",
             Group.REQUESTS,
@@ -223,6 +242,17 @@ class RouterConfig:
             " the request is aborted upstream",
             type=int,
         ),
+    )
+    max_upstream_answer_bytes: int = setting(
+        64 * 1024 * 1024,
+        Flag(
+            "--max-upstream-answer-bytes",
+            Group.REQUESTS,
+            "largest answer read from an engine in one piece (a prefill answer, a non-streaming"
+            " answer); past it the leg fails with a 502 instead of filling the router's memory",
+            type=int,
+        ),
+        check=positive,
     )
     #: Test-only: reproduce the historic bug (decode load released when its headers arrive).
     release_decode_at_headers: bool = setting(
@@ -246,8 +276,20 @@ class RouterConfig:
         Flag(
             "--api-key",
             Group.SECURITY,
-            "require 'Authorization: Bearer KEY' on every route but /health, /liveness and"
-            " /readiness",
+            "require 'Authorization: Bearer KEY' on every route but /health, /healthcheck,"
+            " /liveness and /readiness",
+        ),
+    )
+    cors_allowed_origins: tuple[str, ...] = setting(
+        (),
+        Flag(
+            "--cors-allowed-origins",
+            Group.SECURITY,
+            "origins browsers may call the router from (CORS headers and preflight answers);"
+            " none given: any origin, as in vllm-router",
+            nargs="*",
+            metavar="ORIGIN",
+            parse=tuple,
         ),
     )
     upstream_api_key: str | None = setting(
@@ -267,6 +309,14 @@ class RouterConfig:
             "info: one access line per request; debug: also every routing decision"
             " (stage=... max_load=... min_load=... is_unbalanced=...)",
             choices=LOG_LEVELS,
+        ),
+    )
+    log_dir: str | None = setting(
+        None,
+        Flag(
+            "--log-dir",
+            Group.OBSERVABILITY,
+            "also write the log to <dir>/trio-pdrouter.<YYYY-MM-DD>, a file per UTC day",
         ),
     )
     prometheus_host: str | None = setting(
@@ -300,6 +350,10 @@ class RouterConfig:
         ),
         check=must(lambda s: s >= 0, "must be 0 (off) or a positive number"),  # refuses NaN
     )
+    # -- vllm-router flags for what is not implemented (see trio_pdrouter.unsupported)
+    discovery: DiscoverySettings = section(DiscoverySettings)
+    kv_events: KvEventSettings = section(KvEventSettings)
+    extensions: ExtensionSettings = section(ExtensionSettings)
 
     def __attrs_post_init__(self) -> None:
         """The checks that involve several fields: which upstreams the mode needs."""

@@ -40,11 +40,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from .endpoints import Endpoint
 from .load import LoadLedger
 from .metrics import RouterMetrics
+from .upstream import read_capped
 
 log = logging.getLogger("trio_pdrouter.engine_truth")
 
 #: The longest wait before scraping a failing upstream again, in seconds.
 MAX_BACKOFF_S = 30.0
+#: The largest /metrics answer read (a vLLM server with many engines writes about 1 MB).
+MAX_SCRAPE_BYTES = 16 * 1024 * 1024
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -224,14 +227,15 @@ class EngineTruth:
         limit = max(self.interval, 1.0)
         try:
             with trio.move_on_after(limit) as scope:
-                resp = await self._client.get(url + "/metrics")
+                async with self._client.stream("GET", url + "/metrics") as resp:
+                    text = (await read_capped(resp, MAX_SCRAPE_BYTES)).decode("utf-8", "replace")
         except Exception as exc:  # any failure is a failed scrape; the loop must not die
             raise ScrapeError(f"{type(exc).__name__}: {exc}") from None
         if scope.cancelled_caught:
             raise ScrapeError(f"no answer in {limit:g}s")
         if resp.status_code != 200:
             raise ScrapeError(f"HTTP {resp.status_code}")
-        return parse_engine_loads(resp.text)
+        return parse_engine_loads(text)
 
     def _unknown(self, url: str, endpoints: list[Endpoint], reason: str) -> None:
         if self._metrics is not None:

@@ -18,6 +18,9 @@ class RouterError:
     message: str
     type: str
     param: str | None = None
+    #: Seconds for a ``Retry-After`` header (every 429 the router produces has one, and the
+    #: 503 of a shutdown).
+    retry_after: int | None = None
 
     def payload(self) -> dict[str, object]:
         return {
@@ -65,8 +68,10 @@ def unsupported_media_type(content_type: str) -> RouterError:
     )
 
 
-def too_many_requests(message: str = "the router's admission queue is full") -> RouterError:
-    return RouterError(429, message, "rate_limit_error")
+def too_many_requests(
+    message: str = "the router's admission queue is full", retry_after: int = 1
+) -> RouterError:
+    return RouterError(429, message, "rate_limit_error", retry_after=max(1, retry_after))
 
 
 def internal(message: str) -> RouterError:
@@ -79,6 +84,10 @@ def upstream_failed(stage: str, endpoint: str, detail: str) -> RouterError:
 
 def no_healthy_endpoint(stage: str) -> RouterError:
     return RouterError(503, f"no healthy {stage} endpoint is available", "service_unavailable")
+
+
+def shutting_down() -> RouterError:
+    return RouterError(503, "the router is shutting down", "service_unavailable", retry_after=1)
 
 
 def upstream_timeout(stage: str, endpoint: str, detail: str) -> RouterError:

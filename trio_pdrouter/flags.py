@@ -15,6 +15,12 @@ The rules:
   by :func:`build`, by hand or by ``attrs.evolve``: an invalid config cannot exist. A field whose
   flag has ``choices`` accepts only those. ``None`` always passes: it means "not set".
 * Every refusal is a :class:`ConfigError` whose message names the flag (or the URL) at fault.
+* A vllm-router flag that trio-pdrouter does not implement is still declared, on the field it
+  will set, with ``refused=`` saying why and what to use instead (and a value of a ``choices``
+  flag likewise with ``refused_choices=``). It parses, so a vllm-router launch command reaches
+  :func:`build`, which then refuses every such flag given, all in one :class:`ConfigError`.
+  Giving a refused flag its default value is not refusing anything: it is accepted. Whoever
+  implements the feature removes ``refused=`` and uses the field.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import attrs
@@ -52,6 +58,7 @@ class Group(enum.Enum):
     RESILIENCE = "resilience"
     SECURITY = "security"
     OBSERVABILITY = "observability"
+    REFUSED = "vllm-router flags not implemented (they parse, then refuse to start with a reason)"
 
 
 @attrs.frozen
@@ -70,19 +77,28 @@ class Flag:
     parse: Callable[[Any], Any] | None = None
     #: Parsed as usual but left out of ``--help`` (test-only flags).
     hidden: bool = False
+    #: Not implemented: why, and the alternative. Given (other than its default), the config
+    #: build refuses it.
+    refused: str | None = None
+    #: Values argparse accepts beside ``choices`` that the config build refuses, with the reason.
+    refused_choices: Mapping[str, str] = attrs.field(factory=dict)
 
     def arguments(self, default: object) -> dict[str, Any]:
         """``add_argument``'s keywords; ``default`` is the field's (a tuple is shown as a list)."""
+        choices = self.choices
+        if choices is not None and self.refused_choices:
+            choices = (*choices, *self.refused_choices)
+        text = self.help if self.refused is None else f"{self.help} [refused: {self.refused}]"
         keywords = {
             "type": self.type,
-            "choices": self.choices,
+            "choices": choices,
             "nargs": self.nargs,
             "metavar": self.metavar,
             "action": self.action,
         }
         return {
             "default": list(default) if isinstance(default, tuple) else default,
-            "help": argparse.SUPPRESS if self.hidden else self.help,
+            "help": argparse.SUPPRESS if self.hidden else text,
             **{name: value for name, value in keywords.items() if value is not None},
         }
 
@@ -90,6 +106,15 @@ class Flag:
         """The field's value as ``args`` give it."""
         parsed = getattr(args, _dest(self.spelling))
         return parsed if self.parse is None else self.parse(parsed)
+
+    def refusal(self, args: argparse.Namespace, default: object) -> tuple[str, str] | None:
+        """What ``args`` give this flag that cannot be served, and why; None when all can."""
+        if self.refused is not None and self.value(args) != default:
+            return self.spelling, self.refused
+        raw = getattr(args, _dest(self.spelling))
+        if isinstance(raw, str) and raw in self.refused_choices:
+            return f"{self.spelling} {raw}", self.refused_choices[raw]
+        return None
 
 
 @attrs.frozen
@@ -188,18 +213,41 @@ def add_flags(parser: argparse.ArgumentParser, root: type[attrs.AttrsInstance]) 
         groups[option.group].add_argument(option.spelling, **option.arguments(field.default))
 
 
+def refusals(root: type[attrs.AttrsInstance], args: argparse.Namespace) -> list[str]:
+    """One line per reason that flags given in ``args`` are refused (``refused``,
+    ``refused_choices``): the flags, then why and what to use instead. Empty when none is."""
+    by_reason: dict[str, list[str]] = {}
+    for _, field, option in declared(root):
+        if isinstance(option, Flag):
+            refusal = option.refusal(args, field.default)
+            if refusal is not None:
+                given, reason = refusal
+                by_reason.setdefault(reason, []).append(given)
+    return [f"{', '.join(given)}: {reason}" for reason, given in by_reason.items()]
+
+
 def build(cls: type[Settings], args: argparse.Namespace) -> Settings:
     """The ``cls`` that ``args`` (parsed by a parser from :func:`add_flags`) describe.
 
-    Raises :class:`ConfigError` when the settings cannot work.
+    Raises :class:`ConfigError` when the settings cannot work: naming every refused flag given
+    (see the module doc) in one message; else with the first invalid setting.
     """
+    refused = refusals(cls, args)
+    if refused:
+        raise ConfigError(
+            "vllm-router flags that trio-pdrouter does not support:\n  " + "\n  ".join(refused)
+        )
+    return _build(cls, args)
+
+
+def _build(cls: type[Settings], args: argparse.Namespace) -> Settings:
     values: dict[str, Any] = {}
     for field in attrs.fields(cls):
         nested = field.metadata.get(_SECTION)
         flag: Flag | None = field.metadata.get(_FLAG)
         switch: Switch | None = field.metadata.get(_SWITCH)
         if nested is not None:
-            values[field.name] = build(nested, args)
+            values[field.name] = _build(nested, args)
         elif switch is not None and switch.given(args):
             values[field.name] = switch.sets
         elif flag is not None:

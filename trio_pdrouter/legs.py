@@ -16,10 +16,12 @@ import orjson
 import trio
 
 from . import logprobs, outcomes, pd
-from .asgi import Reply
+from .asgi import JSON, Reply
 from .endpoints import Endpoint
 from .outcomes import LegFailure
 from .request import Attempt, Request
+from .response_headers import passed_on, with_default
+from .upstream import AnswerTooLarge, post_capped
 
 
 @attrs.frozen
@@ -62,22 +64,37 @@ class PrefillLeg:
     """
 
     def __init__(
-        self, client: httpx.AsyncClient, limit: float, upstream_api_key: str | None
+        self, client: httpx.AsyncClient, limit: float, upstream_api_key: str | None, cap: int
     ) -> None:
         self._client = client
         self._limit = limit
         self._upstream_api_key = upstream_api_key
+        #: The largest answer read (``--max-upstream-answer-bytes``).
+        self._cap = cap
 
     async def run(self, req: Request, attempt: Attempt) -> dict[str, Any] | LegFailure:
         ep = attempt.prefill
         assert ep is not None
         call = UpstreamCall.build(
-            req, attempt, ep, pd.prefill_body(req.inf.body), self._upstream_api_key, "prefill"
+            req,
+            attempt,
+            ep,
+            pd.prefill_body(req.inf.body, req.inf.path),
+            self._upstream_api_key,
+            "prefill",
         )
         req.prefill_sent()
         try:
             with trio.move_on_after(self._limit) as scope:
-                resp = await self._client.post(call.url, content=call.content, headers=call.headers)
+                resp = await post_capped(
+                    self._client,
+                    call.url,
+                    content=call.content,
+                    headers=call.headers,
+                    cap=self._cap,
+                )
+        except AnswerTooLarge as exc:
+            return req.record_failure(outcomes.invalid("prefill", ep, str(exc)))
         except httpx.HTTPError as exc:
             return req.record_failure(outcomes.transport_failure("prefill", ep, exc))
         finally:
@@ -110,9 +127,11 @@ class BufferedDecode:
     merged into the answer (SPEC §6).
     """
 
-    def __init__(self, client: httpx.AsyncClient, limit: float) -> None:
+    def __init__(self, client: httpx.AsyncClient, limit: float, cap: int) -> None:
         self._client = client
         self._limit = limit
+        #: The largest answer read (``--max-upstream-answer-bytes``).
+        self._cap = cap
 
     async def run(
         self, req: Request, attempt: Attempt, call: UpstreamCall, prefill: dict[str, Any] | None
@@ -123,7 +142,15 @@ class BufferedDecode:
         req.kv_taken()  # nothing will show when decode schedules it (see lifecycle)
         try:
             with trio.move_on_after(self._limit) as scope:
-                resp = await self._client.post(call.url, content=call.content, headers=call.headers)
+                resp = await post_capped(
+                    self._client,
+                    call.url,
+                    content=call.content,
+                    headers=call.headers,
+                    cap=self._cap,
+                )
+        except AnswerTooLarge as exc:
+            return req.record_failure(outcomes.invalid(call.stage, ep, str(exc)))
         except httpx.HTTPError as exc:
             if isinstance(exc, httpx.ConnectError):
                 req.kv_refused()  # the request never went out
@@ -144,11 +171,9 @@ class BufferedDecode:
                 return req.record_failure(outcomes.invalid(call.stage, ep, "answer is not JSON"))
             content = orjson.dumps(merged)
         req.record_success(ep)
-        ctype = resp.headers.get("content-type", "application/json").encode()
-        return Reply(200, [(b"content-type", ctype)], content)
+        return Reply(200, with_default(passed_on(resp.headers), b"content-type", JSON), content)
 
 
 def status_failure(stage: str, ep: Endpoint, resp: httpx.Response, body: bytes) -> LegFailure:
     """The engine answered ``resp.status_code`` (not 200) with ``body``."""
-    ctype = resp.headers.get("content-type", "application/json")
-    return outcomes.status(stage, ep, resp.status_code, ctype, body)
+    return outcomes.status(stage, ep, resp.status_code, passed_on(resp.headers), body)

@@ -23,6 +23,10 @@ with the failure) or, with attempts left and a retriable kind, waits for the nex
 (``RETRY`` -> RETRYING -ROUTE-> ROUTED ...). After the stream started, ``FAIL`` ends it with an
 error event and ``[DONE]``; there is no ``RETRY`` out of STREAMING, so nothing is ever sent twice.
 
+``SHUT_DOWN`` ends a request whose answer is not decided yet when the router's shutdown deadline
+comes: a stream gets an error event and ``[DONE]``, anything else a 503. SHUT_DOWN absorbs the
+legs' late events as CLIENT_GONE does (below).
+
 ``CLIENT_LEFT`` is allowed in every phase but the final ones: the client can leave at any instant,
 including after the answer was decided but before its last message went out (ANSWERED, FAILED,
 UNROUTABLE and REJECTED mean *decided*; the final send follows). A request whose client left is
@@ -77,6 +81,7 @@ class Phase(enum.Enum):
     FAILED = "failed"  # a leg's failure: an engine's error passed on, or the router's own
     UNROUTABLE = "unroutable"  # no endpoint of a stage could take it
     REJECTED = "rejected"  # admission refused it (queue full, queue timeout)
+    SHUT_DOWN = "shut_down"  # the router's shutdown deadline came first: answered 503
     # Final.
     CRASHED = "crashed"  # a bug in the router; answered 500 (or an error event) if possible
     CLIENT_GONE = "client_gone"  # the client left; nobody to answer
@@ -95,6 +100,7 @@ class Event(enum.Enum):
     RETRY = "retry"
     FAIL = "fail"
     CLIENT_LEFT = "client_left"
+    SHUT_DOWN = "shut_down"
     CRASH = "crash"
 
 
@@ -123,13 +129,25 @@ TRANSITIONS: Mapping[Phase, Mapping[Event, Phase]] = {
     P.CRASHED: {},
     # Absorbs every event but CRASH (see the module doc); written out by _next.
     P.CLIENT_GONE: {},
+    # Absorbs the legs' late events like CLIENT_GONE; the client may still leave.
+    P.SHUT_DOWN: {},
 }
 
 #: Phases in which the client can still leave: all but the two final ones.
 _LEAVABLE = frozenset(TRANSITIONS) - {P.CRASHED, P.CLIENT_GONE}
+#: Phases the shutdown deadline ends: those whose answer is not decided yet.
+_UNDECIDED = frozenset(TRANSITIONS) - {
+    P.ANSWERED,
+    P.FAILED,
+    P.UNROUTABLE,
+    P.REJECTED,
+    P.SHUT_DOWN,
+    P.CRASHED,
+    P.CLIENT_GONE,
+}
 
 #: The phases in which the request's answer is known (its last message may still be unsent).
-DECIDED = frozenset({P.ANSWERED, P.FAILED, P.UNROUTABLE, P.REJECTED, P.CRASHED, P.CLIENT_GONE})
+DECIDED = frozenset(TRANSITIONS) - _UNDECIDED
 
 
 class KvOwner(enum.Enum):
@@ -225,10 +243,12 @@ def _next(phase: Phase, event: Event) -> Phase | None:
     if event is Event.CRASH:
         # A crash while answering a departed client is still logged as one.
         return Phase.CRASHED if phase is not Phase.CRASHED else None
-    if phase is Phase.CLIENT_GONE:
-        return Phase.CLIENT_GONE
     if event is Event.CLIENT_LEFT:
-        return Phase.CLIENT_GONE if phase in _LEAVABLE else None
+        return Phase.CLIENT_GONE if phase in _LEAVABLE or phase is Phase.CLIENT_GONE else None
+    if phase is Phase.CLIENT_GONE or phase is Phase.SHUT_DOWN:
+        return phase
+    if event is Event.SHUT_DOWN:
+        return Phase.SHUT_DOWN if phase in _UNDECIDED else None
     return TRANSITIONS[phase].get(event)
 
 
@@ -241,6 +261,7 @@ OUTCOMES: Mapping[Phase, str] = {
     P.REJECTED: "rejected",
     P.CRASHED: "internal_error",
     P.CLIENT_GONE: "client_disconnect",
+    P.SHUT_DOWN: "shutdown",
 }
 
 

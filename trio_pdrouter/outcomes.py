@@ -17,7 +17,10 @@ again.
     invalid         an answer the router cannot use             no         failure   yes
     client_too_slow the client fell too far behind the engine   no         -         no
 
-An engine's 4xx reaches the client unchanged (its status, content type and body); every other
+Where the engine answered (every ``status_*`` kind), the client gets that answer once the
+request fails (at once for a 4xx; after the last attempt, or with ``--disable-retries``, for a
+5xx or 429): the engine's status, body and headers (as :mod:`.response_headers` passes them on),
+as vllm-router does; an engine's 429 gets ``Retry-After: 1`` if it sent none. Every other
 failure is answered with the router's own error in the OpenAI shape (502, or 504 for timeouts).
 """
 
@@ -29,9 +32,10 @@ import attrs
 import httpx
 
 from . import errors
-from .asgi import Reply
+from .asgi import JSON, Headers, Reply
 from .endpoints import Endpoint
 from .errors import RouterError
+from .response_headers import with_default
 from .sse import error_event
 
 
@@ -81,18 +85,18 @@ def timeout(stage: str, ep: Endpoint, detail: str) -> LegFailure:
     return LegFailure(stage, ep, "timeout", error, True, Verdict.FAILURE)
 
 
-def status(stage: str, ep: Endpoint, code: int, content_type: str, body: bytes) -> LegFailure:
-    """The engine answered ``code`` (not 200)."""
+def status(stage: str, ep: Endpoint, code: int, headers: Headers, body: bytes) -> LegFailure:
+    """The engine answered ``code`` (not 200) with ``headers`` (those the client may get) and
+    ``body``."""
     kind = f"status_{code}"
+    if code == 429:
+        reply = Reply(code, with_default(headers, b"retry-after", b"1"), body)
+        return LegFailure(stage, ep, kind, reply, True, Verdict.NOTHING)
+    reply = Reply(code, with_default(headers, b"content-type", JSON), body)
     if 400 <= code < 500:
-        reply = Reply(code, [(b"content-type", content_type.encode())], body)
-        if code == 429:
-            return LegFailure(stage, ep, kind, reply, True, Verdict.NOTHING)
         # The engine is healthy; the request was not.
         return LegFailure(stage, ep, kind, reply, False, Verdict.SUCCESS, upstream_error=False)
-    excerpt = body[:200].decode("utf-8", "replace")
-    error = errors.upstream_failed(stage, ep.key, f"HTTP {code}: {excerpt}")
-    return LegFailure(stage, ep, kind, error, True, Verdict.FAILURE)
+    return LegFailure(stage, ep, kind, reply, True, Verdict.FAILURE)
 
 
 def invalid(stage: str, ep: Endpoint, detail: str) -> LegFailure:

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .endpoints import Endpoint
+from .routes import GENERATE, RESPONSES
 
 # Fields vLLM reads to run a remote-decode prefill; values per the NIXL connector protocol.
 PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
@@ -27,26 +28,35 @@ PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
 FORWARDED_HEADERS = ("authorization", "traceparent", "tracestate", "baggage")
 
 
-def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The prefill leg's JSON: one token, no streaming, and a request for KV transfer params."""
-    out = _one_token(body)
+def prefill_body(body: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """The prefill leg's JSON for a request to ``path``: one token, no streaming, and a request
+    for KV transfer params."""
+    out = _one_token(body, path)
     out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
     out["stream"] = False
     return out
 
 
-def _one_token(body: Mapping[str, Any]) -> dict[str, Any]:
-    """``body`` capped at one generated token, in every field an API spells that cap with."""
+def _one_token(body: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """``body`` capped at one generated token, in every field the API of ``path`` spells that
+    cap with."""
     out = dict(body)
     out.pop("stream_options", None)  # vLLM rejects it without streaming; nothing to report
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    if "max_output_tokens" in out:  # Responses API
-        out["max_output_tokens"] = 1
     # A minimum above one token would contradict the cap; decode restores them.
     out.pop("min_tokens", None)
     out.pop("min_completion_tokens", None)
+    if path == RESPONSES:
+        out["max_output_tokens"] = 1
+    elif path == GENERATE:  # token-in/token-out: the sampling parameters are nested
+        given = out.get("sampling_params")
+        sampling = dict(given) if isinstance(given, Mapping) else {}
+        sampling["max_tokens"] = 1
+        sampling.pop("min_tokens", None)
+        out["sampling_params"] = sampling
+    else:
+        out["max_tokens"] = 1
+        if "max_completion_tokens" in out:
+            out["max_completion_tokens"] = 1
     return out
 
 
@@ -99,7 +109,12 @@ def upstream_headers(
     Values are bytes: a client's header goes on exactly as it arrived (ASGI decoded it as
     latin-1), even where it is not ASCII, which httpx would refuse to encode from ``str``.
     """
-    out = {b"content-type": b"application/json", b"x-request-id": rid.encode("latin-1", "replace")}
+    out = {
+        b"content-type": b"application/json",
+        b"x-request-id": rid.encode("latin-1", "replace"),
+        # Streams are relayed as they come: a compressed one would reach the client undecoded.
+        b"accept-encoding": b"identity",
+    }
     for name in FORWARDED_HEADERS:
         value = client_headers.get(name)
         if value is not None:
@@ -111,12 +126,14 @@ def upstream_headers(
     return out
 
 
-def stranded_decode_body(body: Mapping[str, Any], kv_transfer_params: Any) -> dict[str, Any]:
+def stranded_decode_body(
+    body: Mapping[str, Any], kv_transfer_params: Any, path: str
+) -> dict[str, Any]:
     """A one-token decode that pulls a prefill's KV blocks for a client that already left.
 
     The prefill engine holds the blocks until decode pulls them or vLLM's KV timeout expires;
     pulling them at once frees that memory for requests that still have a client.
     """
-    out = _one_token(decode_body(body, kv_transfer_params))
+    out = _one_token(decode_body(body, kv_transfer_params), path)
     out["stream"] = True
     return out

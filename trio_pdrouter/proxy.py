@@ -111,6 +111,7 @@ class Proxy:
     async def _serve(self, req: Request, receive: Receive) -> None:
         reply: Reply | None = None
         async with trio.open_nursery() as nursery:
+            req.scope = nursery.cancel_scope
             nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, req)
             # Admission waits inside the request's scope: a client that leaves while queued
             # gives its place up at once.
@@ -122,9 +123,12 @@ class Proxy:
                 req.rejected(exc.reason)
                 reply = Reply.error(exc.error)
             nursery.cancel_scope.cancel()
-        if not req.life.client_gone:
-            assert reply is not None
-            await req.down.finish(reply)
+        if req.life.client_gone:
+            return
+        if req.life.phase is Phase.SHUT_DOWN:
+            reply = req.shutdown_reply()
+        assert reply is not None
+        await req.down.finish(reply)
 
     async def _attempts(self, req: Request) -> Reply:
         """Run attempts until one answers, the failure is final, or attempts run out."""
@@ -162,6 +166,12 @@ class Proxy:
             return _with_routing_headers(req, req.fail(result))
         raise AssertionError("unreachable: the last attempt answers or fails")
 
+    def shut_down(self) -> int:
+        """The shutdown deadline: end every request whose answer is not decided yet (a stream
+        with an error event and ``[DONE]``, anything else with a 503); never awaits. Returns
+        how many were ended."""
+        return sum(req.shut_down() for req in list(self.in_flight))
+
     def _choose(self, req: Request, number: int, avoid_urls: list[str]) -> Attempt:
         """Choose and charge the attempt's endpoints (synchronously: no checkpoint).
 
@@ -172,6 +182,9 @@ class Proxy:
         rid = req.inf.request_id
         if not self._config.pd:
             lease, decode = self._routing.lease_one(Role.REGULAR, key, avoid_urls)
+            return Attempt(number, None, decode, lease, rid)
+        if not req.inf.route.split:  # nothing to generate, nothing to split: one decode server
+            lease, decode = self._routing.lease_one(Role.DECODE, key, avoid_urls)
             return Attempt(number, None, decode, lease, rid)
         last = req.attempt
         if last is not None and last.prefill is not None and req.life.kv is KvOwner.PREFILL:

@@ -20,11 +20,13 @@ import httpx
 import trio
 
 from . import outcomes
-from .asgi import Reply
+from .asgi import Headers, Reply
 from .legs import UpstreamCall, status_failure
 from .outcomes import LegFailure
 from .request import Attempt, Request
+from .response_headers import passed_on, with_default
 from .sse import EventFramer
+from .upstream import AnswerTooLarge, read_capped
 
 
 class RelayOverflow(Exception):
@@ -76,16 +78,17 @@ class RelayBuffer:
 class _Head:
     """How the decode upstream answered, handed from the reader to the writer."""
 
-    __slots__ = ("content_type", "failure", "ready")
+    __slots__ = ("failure", "headers", "ready")
 
     def __init__(self) -> None:
         self.ready = trio.Event()
-        self.content_type = b"text/event-stream"
+        #: The upstream's response headers that the client gets.
+        self.headers: Headers = ()
         #: Set when the leg ended before streaming started.
         self.failure: LegFailure | None = None
 
-    def open(self, content_type: bytes) -> None:
-        self.content_type = content_type
+    def open(self, headers: Headers) -> None:
+        self.headers = headers
         self.ready.set()
 
     def fail(self, failure: LegFailure) -> None:
@@ -130,14 +133,8 @@ class DecodeRelay:
                 return head.failure
             # Stepped before the send: once it is under way the client may have the head.
             req.stream_started()
-            await req.down.start(
-                200,
-                [
-                    (b"content-type", head.content_type),
-                    (b"cache-control", b"no-cache"),
-                    *attempt.routing_headers(),
-                ],
-            )
+            headers = with_default(head.headers, b"cache-control", b"no-cache")
+            await req.down.start(200, [*headers, *attempt.routing_headers()])
             while (data := await buffer.take()) is not None:
                 await req.down.chunk(data)
         return buffer.failure or Reply.tail()
@@ -181,6 +178,8 @@ class DecodeRelay:
                 attempt.lease.release(ep)
         except RelayOverflow as exc:
             buffer.close(req.record_failure(outcomes.client_too_slow(stage, ep, str(exc))))
+        except AnswerTooLarge as exc:  # an error answer (before the head) past the cap
+            head.fail(req.record_failure(outcomes.invalid(stage, ep, str(exc))))
         except httpx.HTTPError as exc:
             failure = req.record_failure(outcomes.transport_failure(stage, ep, exc))
             if head.ready.is_set():  # mid-stream: the client gets an error event
@@ -201,32 +200,31 @@ class DecodeRelay:
     ) -> None:
         ep = call.endpoint
         if resp.status_code != 200:
-            body = await resp.aread()
+            body = await read_capped(resp, self._max_buffered_bytes)
             head.fail(req.record_failure(status_failure(call.stage, ep, resp, body)))
             return
         if self._release_at_headers:
             attempt.lease.release(ep)  # the historic bug, reproducible on purpose in tests only
-        content_type = resp.headers.get("content-type", "text/event-stream").encode()
-        head.open(content_type)
-        if not content_type.startswith(b"text/event-stream"):
-            req.kv_taken()  # an answer, not a stream: the engine ran the request
-            async for chunk in resp.aiter_raw():
-                buffer.put(chunk)
-            buffer.close()
-            req.record_success(ep)
+        content_type = resp.headers.get("content-type", "text/event-stream")
+        if not content_type.startswith("text/event-stream"):
+            # Not a stream: the client asked for one, and an error event appended to it would
+            # not parse. A 502 before any byte instead.
+            failure = outcomes.invalid(call.stage, ep, f"a stream answered as {content_type}")
+            head.fail(req.record_failure(failure))
             return
+        head.open(with_default(passed_on(resp.headers), b"content-type", b"text/event-stream"))
         framer = EventFramer()
         taken = False
         async for chunk in resp.aiter_raw():
             data = framer.feed(chunk)
             if data:
-                if not taken and b'"error"' not in data:
+                if not taken and req.inf.route.error_marker not in data:
                     # The first output proves decode scheduled the request and so pulled the
                     # prefill's KV blocks (its head does not: see trio_pdrouter.lifecycle).
                     taken = True
                     req.kv_taken()
                 buffer.put(data)
-        if framer.pending or not framer.saw_done:
+        if framer.pending or (req.inf.route.ends_with_done and not framer.saw_done):
             failure = outcomes.invalid(call.stage, ep, "stream ended without [DONE]")
             buffer.close(req.record_failure(failure))
         else:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
+from . import errors, sse
 from .asgi import Downstream, Headers, Reply
 from .endpoints import Endpoint
 from .lifecycle import Event, KvEvent, KvOwner, Lifecycle, outcome
@@ -26,6 +27,7 @@ from .load import Lease
 from .outcomes import LegFailure, Verdict
 from .policies import RoutingKey
 from .record import RequestRecord
+from .routes import Route
 
 
 @attrs.frozen
@@ -33,6 +35,7 @@ class Inference:
     """A parsed and validated client request."""
 
     path: str
+    route: Route
     body: dict[str, Any]
     headers: Mapping[str, str]
     stream: bool
@@ -101,6 +104,7 @@ class Request:
         "prefill_answer",
         "prefill_ms",
         "rejection",
+        "scope",
         "started",
         "upstream_errors",
     )
@@ -122,6 +126,8 @@ class Request:
         self.prefill_ms: float | None = None
         self._prefill_sent_at = 0.0
         self.rejection: str | None = None
+        #: The request's cancel scope, once it runs (the proxy's shutdown cancels it).
+        self.scope: trio.CancelScope | None = None
 
     # -- the steps, in the order of the lifecycle -------------------------------------------
 
@@ -187,6 +193,24 @@ class Request:
 
     def client_left(self) -> None:
         self.life.step(Event.CLIENT_LEFT)
+
+    def shut_down(self) -> bool:
+        """The router's shutdown deadline: end the request now, if its answer is not decided.
+
+        Returns whether it was ended; its answer is then :meth:`shutdown_reply`.
+        """
+        if not self.life.allows(Event.SHUT_DOWN) or self.life.client_gone:
+            return False
+        self.life.step(Event.SHUT_DOWN)
+        if self.scope is not None:
+            self.scope.cancel()
+        return True
+
+    def shutdown_reply(self) -> Reply:
+        error = errors.shutting_down()
+        if self.life.streaming_started:
+            return Reply.tail(sse.error_event(error))
+        return Reply.error(error)
 
     def crashed(self) -> None:
         self.life.step(Event.CRASH)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import signal
 from collections.abc import Awaitable, Callable
@@ -20,6 +21,7 @@ from .admission import Admission
 from .app import RouterApp
 from .breaker import Breakers
 from .config import RouterConfig
+from .endpoints import normalize_url
 from .engine_truth import EngineTruth
 from .fleet import Fleet, MachineServers
 from .health import HealthBoard
@@ -30,8 +32,10 @@ from .machine_ledger import MachineLedger
 from .metrics import MetricsApp, RouterMetrics
 from .policies import make_policy
 from .proxy import Proxy
+from .rate_limit import TokenBucket
 from .relay import DecodeRelay
 from .routing import Routing
+from .startup import wait_until_healthy
 from .stranded import KvReclaimer
 from .upstream import make_client, stream_timeout
 
@@ -39,6 +43,10 @@ log = logging.getLogger("trio_pdrouter.server")
 
 #: Seconds between a worker's looks at the machine's server changes (``--workers N``).
 FOLLOW_INTERVAL = 0.05
+#: After the graceful timeout: how long hypercorn waits for the router's last answers to go out,
+#: and when the command line's process exits whatever is still running (seconds).
+ANSWER_FLUSH_S = 0.5
+EXIT_DEADLINE_S = 0.9
 
 
 @attrs.frozen
@@ -84,7 +92,9 @@ def hypercorn_config(config: RouterConfig) -> HypercornConfig:
     hc.bind = [f"[{s.host}]:{s.port}" if ":" in s.host else f"{s.host}:{s.port}"]
     hc.backlog = s.backlog
     hc.keep_alive_timeout = s.keep_alive_timeout
-    hc.graceful_timeout = s.graceful_timeout
+    # The router ends its own requests at the graceful timeout (see run_router); hypercorn
+    # waits a little longer, so those last answers go out before it cancels what is left.
+    hc.graceful_timeout = s.graceful_timeout + ANSWER_FLUSH_S
     # Bounds the request line plus headers that hypercorn buffers before it gives up.
     hc.h11_max_incomplete_size = s.max_header_bytes
     hc.accesslog = None  # the router writes its own access line per request
@@ -158,7 +168,11 @@ def build_app(
     fleet.catch_up()  # and then the runtime changes made before it started
     metrics.watch_ledger(ledger, fleet.endpoints())
 
-    admission = Admission(config.admission)
+    rate = config.admission.rate_limit_tokens_per_second
+    bucket = None
+    if rate is not None:
+        bucket = TokenBucket(config.admission.max_concurrent_requests, rate, trio.current_time())
+    admission = Admission(config.admission, bucket)
     metrics.watch_admission(lambda: admission.queued)
     t = config.timeouts
     proxy = Proxy(
@@ -166,8 +180,10 @@ def build_app(
         routing=routing,
         admission=admission,
         outcomes=breakers,
-        prefill=PrefillLeg(client, t.prefill_limit, config.upstream_api_key),
-        buffered=BufferedDecode(client, t.first_byte_limit),
+        prefill=PrefillLeg(
+            client, t.prefill_limit, config.upstream_api_key, config.max_upstream_answer_bytes
+        ),
+        buffered=BufferedDecode(client, t.first_byte_limit, config.max_upstream_answer_bytes),
         relay=DecodeRelay(
             client,
             first_byte_limit=t.first_byte_limit,
@@ -219,6 +235,7 @@ async def run_router(
     ledger: LoadLedger | None = None,
     listen_fd: int | None = None,
     metrics_fd: int | None = None,
+    exit_by_deadline: bool = False,
     task_status: trio.TaskStatus[RunningRouter] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until ``shutdown_trigger`` returns (or forever); report a :class:`RunningRouter`.
@@ -226,42 +243,100 @@ async def run_router(
     A worker of ``--workers N`` passes its machine ledger and the listening sockets the
     supervisor made (``listen_fd``, ``metrics_fd`` for ``--prometheus-port``); otherwise the
     router binds its ports itself.
+
+    First waits for the configured servers to be healthy (:mod:`.startup`); raises
+    :class:`~.startup.StartupTimeout` when they are not in time.
+
+    Shutdown: once the trigger returns, the router stops accepting connections and lets the
+    requests in flight finish for ``--graceful-timeout-secs``; then it ends each one whose
+    answer is not decided (a stream with an error event and ``[DONE]``, anything else with a
+    503) and hypercorn closes what is left. With ``exit_by_deadline`` (the command line) the
+    process exits ``EXIT_DEADLINE_S`` after that even if clients that stopped reading still
+    hold sends that nothing can cancel.
     """
     close_connections_when_clients_leave()
+    async with make_client(config) as client:
+        urls = [url for urls in config.servers().values() for url in urls]
+        await wait_until_healthy(client, [normalize_url(url) for url in urls], config.health)
+        async with trio.open_nursery() as nursery:
+            seat = (ledger, listen_fd, metrics_fd)
+            await _run(
+                config, client, nursery, shutdown_trigger, exit_by_deadline, seat, task_status
+            )
+
+
+async def _run(
+    config: RouterConfig,
+    client: httpx.AsyncClient,
+    nursery: trio.Nursery,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None,
+    exit_by_deadline: bool,
+    seat: tuple[LoadLedger | None, int | None, int | None],
+    task_status: trio.TaskStatus[RunningRouter],
+) -> None:
+    """The router over ``client``, its background work in ``nursery``, until shutdown;
+    ``seat`` is a worker's (ledger, listen_fd, metrics_fd), all None for a single process."""
+    ledger, listen_fd, metrics_fd = seat
     hc = hypercorn_config(config)
     if listen_fd is not None:
         hc.bind = [f"fd://{listen_fd}"]
-    async with make_client(config) as client, trio.open_nursery() as nursery:
-        app = build_app(config, client, nursery, ledger=ledger)
-        nursery.start_soon(
-            _maintain_policies, app.routing, config.policy_settings.eviction_interval_secs
+    app = build_app(config, client, nursery, ledger=ledger)
+    nursery.start_soon(
+        _maintain_policies, app.routing, config.policy_settings.eviction_interval_secs
+    )
+    nursery.start_soon(app.fleet.follow, FOLLOW_INTERVAL)
+    if app.engine_truth is not None:
+        nursery.start_soon(app.engine_truth.run)
+    if config.health.interval_secs > 0 and app.verdicts is not None:
+        nursery.start_soon(app.health.follow, app.verdicts, FOLLOW_INTERVAL)
+    elif config.health.interval_secs > 0:
+        await nursery.start(app.health.run, client)
+    metrics_url = None
+    if config.prometheus_port is not None:
+        metrics_binds: list[str] = await nursery.start(
+            _serve_metrics, config, config.prometheus_port, metrics_fd, app.metrics
         )
-        nursery.start_soon(app.fleet.follow, FOLLOW_INTERVAL)
-        if app.engine_truth is not None:
-            nursery.start_soon(app.engine_truth.run)
-        if config.health.interval_secs > 0 and app.verdicts is not None:
-            nursery.start_soon(app.health.follow, app.verdicts, FOLLOW_INTERVAL)
-        elif config.health.interval_secs > 0:
-            await nursery.start(app.health.run, client)
-        metrics_url = None
-        if config.prometheus_port is not None:
-            metrics_binds: list[str] = await nursery.start(
-                _serve_metrics, config, config.prometheus_port, metrics_fd, app.metrics
-            )
-            metrics_url = metrics_binds[0]
+        metrics_url = metrics_binds[0]
 
-        async def _serve(task_status: trio.TaskStatus[list[str]]) -> None:
-            await serve(
-                cast(Framework, app),
-                hc,
-                shutdown_trigger=shutdown_trigger,
-                task_status=task_status,
-            )
-            nursery.cancel_scope.cancel()
+    trigger = None
+    if shutdown_trigger is not None:
+        inner = shutdown_trigger
 
-        binds: list[str] = await nursery.start(_serve)
-        log.info("listening=%s mode=%s", binds[0], "pd" if config.pd else "regular")
-        task_status.started(RunningRouter(binds[0], app.ledger, app, metrics_url))
+        async def trigger() -> None:
+            await inner()
+            deadline = config.server.graceful_timeout
+            nursery.start_soon(_end_requests_at, app, deadline, exit_by_deadline)
+
+    async def _serve(task_status: trio.TaskStatus[list[str]]) -> None:
+        await serve(
+            cast(Framework, app),
+            hc,
+            shutdown_trigger=trigger,
+            task_status=task_status,
+        )
+        nursery.cancel_scope.cancel()
+
+    binds: list[str] = await nursery.start(_serve)
+    log.info("listening=%s mode=%s", binds[0], "pd" if config.pd else "regular")
+    task_status.started(RunningRouter(binds[0], app.ledger, app, metrics_url))
+
+
+async def _end_requests_at(app: RouterApp, deadline: float, exit_by_deadline: bool) -> None:
+    """The graceful timeout is over: answer every request still undecided, then (with
+    ``exit_by_deadline``) make sure the process ends soon whatever clients do."""
+    await trio.sleep(deadline)
+    ended = app.proxy.shut_down()
+    log.warning("graceful timeout over: ended=%d requests in flight", ended)
+    if not exit_by_deadline:
+        return
+    # A send blocked on a client that stopped reading cannot be cancelled (hypercorn shields
+    # it), so serving could wait for it forever. Still here by now: account and exit.
+    await trio.sleep(EXIT_DEADLINE_S)
+    stuck = len(app.proxy.in_flight)
+    app.account_unfinished()
+    log.warning("exiting: requests=%d still held by clients that do not read", stuck)
+    logging.shutdown()
+    os._exit(0)
 
 
 async def _serve_metrics(

@@ -33,7 +33,9 @@ class ServerSettings:
         Flag(
             "--graceful-timeout-secs",
             Group.LISTENING,
-            "on SIGTERM/SIGINT, let in-flight requests finish for this long, then cancel them",
+            "on SIGTERM/SIGINT, stop accepting and let in-flight requests finish for this long;"
+            " then each stream ends with an error event (503) and [DONE], every other request"
+            " gets a 503, and the process exits within a second more whatever clients do",
             type=float,
         ),
     )
@@ -289,6 +291,27 @@ class HealthSettings:
             type=int,
         ),
     )
+    startup_timeout_secs: float = setting(
+        600.0,
+        Flag(
+            "--worker-startup-timeout-secs",
+            Group.RESILIENCE,
+            "at start, wait this long for every configured server to answer its health check;"
+            " then exit 1 naming those that did not (0: start without waiting)",
+            type=float,
+        ),
+        check=must(lambda s: s >= 0, "must be 0 (no wait) or a positive number"),
+    )
+    startup_check_interval: float = setting(
+        30.0,
+        Flag(
+            "--worker-startup-check-interval",
+            Group.RESILIENCE,
+            "seconds between health checks while waiting for the servers at start",
+            type=float,
+        ),
+        check=positive,
+    )
 
 
 @attrs.frozen
@@ -319,4 +342,15 @@ class AdmissionSettings:
             "longest wait in the queue (then 408)",
             type=float,
         ),
+    )
+    rate_limit_tokens_per_second: int | None = setting(
+        None,
+        Flag(
+            "--rate-limit-tokens-per-second",
+            Group.RESILIENCE,
+            "admit at most this many requests per second on average (a token bucket of"
+            " --max-concurrent-requests tokens); beyond it, 429 with Retry-After",
+            type=int,
+        ),
+        check=positive,
     )

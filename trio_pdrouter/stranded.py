@@ -53,7 +53,7 @@ class KvReclaimer:
     def reclaim(self, req: Request, attempt: Attempt, ep: Endpoint) -> None:
         """Start the reclaim of ``attempt``'s KV blocks on decode endpoint ``ep``; never awaits."""
         inf = req.inf
-        content = orjson.dumps(pd.stranded_decode_body(inf.body, req.kv_params))
+        content = orjson.dumps(pd.stranded_decode_body(inf.body, req.kv_params, inf.path))
         headers = pd.upstream_headers(inf.headers, attempt.request_id, ep, self._upstream_api_key)
         # Charged now, synchronously: the engine is about to run this request.
         lease = self._ledger.lease(ep)

@@ -31,6 +31,48 @@ def stream_timeout(t: Timeouts) -> httpx.Timeout:
     )
 
 
+class AnswerTooLarge(Exception):
+    """An upstream's answer is larger than the router will hold in memory."""
+
+
+async def post_capped(
+    client: httpx.AsyncClient,
+    url: str,
+    *,
+    content: bytes,
+    headers: dict[bytes, bytes],
+    cap: int,
+) -> httpx.Response:
+    """POST and read the whole answer, but never more than ``cap`` bytes of it.
+
+    Raises :class:`AnswerTooLarge` past the cap (the connection is closed, not drained), or
+    what httpx raises. The response returned holds its body.
+    """
+    request = client.build_request("POST", url, content=content, headers=headers)
+    resp = await client.send(request, stream=True)
+    try:
+        body = await read_capped(resp, cap)
+    finally:
+        await resp.aclose()
+    return httpx.Response(resp.status_code, headers=resp.headers, content=body, request=request)
+
+
+async def read_capped(resp: httpx.Response, cap: int) -> bytes:
+    """The rest of ``resp``'s body as sent (not decoded), at most ``cap`` bytes."""
+    if resp.is_stream_consumed:  # built with its body in memory (a test's transport)
+        if len(resp.content) > cap:
+            raise AnswerTooLarge(f"answer larger than {cap} bytes")
+        return resp.content
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in resp.aiter_raw():
+        size += len(chunk)
+        if size > cap:
+            raise AnswerTooLarge(f"answer larger than {cap} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def make_client(config: RouterConfig) -> httpx.AsyncClient:
     transport: httpx.AsyncBaseTransport
     if config.transport == "h11":

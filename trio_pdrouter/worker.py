@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from .cli import configure_logging, parse_config
+from .cli import parse_config
+from .log_files import configure_logging
 from .machine_ledger import MachineLedger
 from .machine_table import MachineTable
 
@@ -65,7 +66,7 @@ def main(args: Sequence[str]) -> None:
     _stop_with_the_supervisor()
     row, name, lock_path, fd, metrics_fd = int(args[0]), args[1], args[2], *map(int, args[3:5])
     config = parse_config(args[5:])
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_dir)
     logging.getLogger("trio_pdrouter").info("worker=%d pid=%d starting", row, os.getpid())
     table = MachineTable.attach(name, lock_path)
 

@@ -17,6 +17,7 @@ Routes:
                            ... labelled ``model_name`` and ``engine`` (DP rank)
 ``POST /v1/completions``   vLLM completions, streaming or not
 ``POST /v1/chat/completions``  vLLM chat completions, streaming or not
+``POST /v1/responses``     the Responses API, streaming or not (:mod:`.responses_api`)
 ``GET /sim/stats``         ground truth (see :meth:`SimState.stats`)
 ``POST /sim/reset``        zero counters and series (``{"prefix_cache": true}`` also
                            empties the prefix caches)
@@ -40,7 +41,7 @@ import attrs
 import orjson
 import trio
 
-from . import netinfo, shapes
+from . import netinfo, responses_api, shapes
 from .config import SimConfig
 from .engine import Engine, block_hashes
 from .faults import FaultBook, FaultPlan, plan_for
@@ -316,6 +317,7 @@ class SimApp:
             "/metrics": {"GET": self._metrics},
             "/v1/completions": {"POST": self._completions},
             "/v1/chat/completions": {"POST": self._chat},
+            "/v1/responses": {"POST": self._responses},
             "/sim/stats": {"GET": self._stats},
             "/sim/reset": {"POST": self._reset},
             "/sim/faults": {
@@ -372,6 +374,9 @@ class SimApp:
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._generate("chat", scope, receive, send)
+
+    async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._generate("responses", scope, receive, send)
 
     # -- control routes --------------------------------------------------------------------
 
@@ -472,7 +477,7 @@ class SimApp:
             return
 
         request_id = _header(scope, b"x-request-id") or uuid.uuid4().hex
-        prefix = "cmpl-" if kind == "completions" else "chatcmpl-"
+        prefix = {"completions": "cmpl-", "chat": "chatcmpl-", "responses": "resp_"}[kind]
         rid = prefix + request_id
         extra_headers = [(b"x-request-id", request_id.encode("latin-1"))]
         created = int(time.time())
@@ -696,6 +701,10 @@ class _Emitter:
     def __init__(self, req: GenRequest, rid: str, created: int, send: Send) -> None:
         self.req, self.rid, self.created, self.send = req, rid, created, send
         self.model = req.model
+        #: The Responses API's stream: its event numbering, its message and the text so far.
+        self.events = responses_api.EventWriter()
+        self.message_id = "msg_" + rid.removeprefix("resp_")
+        self.text = ""
         self.echo_offset = len(req.prompt.text) if req.echo else 0
         #: text_offset of the next generated token in a stream.
         self.offset = self.echo_offset
@@ -703,10 +712,45 @@ class _Emitter:
     def _usage(self, completion_tokens: int, cached: int) -> shapes.JSON:
         return shapes.usage(len(self.req.prompt), completion_tokens, cached)
 
+    async def _body(self, data: bytes) -> None:
+        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    def _response(self, status: str, output: list[shapes.JSON], usage: Any, kv: Any) -> Any:
+        return responses_api.response(
+            response_id=self.rid,
+            created=self.created,
+            model=self.model,
+            status=status,
+            output=output,
+            usage=usage,
+            max_output_tokens=self.req.max_tokens,
+            kv_transfer_params=kv,
+        )
+
     async def start(self) -> None:
-        """First events of a stream: the chat role delta, or the echoed prompt."""
+        """First events of a stream: the chat role delta, the echoed prompt, or the Responses
+        API's opening events."""
         req = self.req
-        if req.kind == "chat":
+        if req.kind == "responses":
+            ev, item = self.events.event, self.message_id
+            opening = self._response("in_progress", [], None, None)
+            await self._body(
+                ev("response.created", response=opening)
+                + ev("response.in_progress", response=opening)
+                + ev(
+                    "response.output_item.added",
+                    output_index=0,
+                    item=responses_api.message(item, None, "in_progress"),
+                )
+                + ev(
+                    "response.content_part.added",
+                    item_id=item,
+                    output_index=0,
+                    content_index=0,
+                    part=responses_api.output_text(""),
+                )
+            )
+        elif req.kind == "chat":
             doc = shapes.chat_chunk(
                 request_id=self.rid,
                 created=self.created,
@@ -751,6 +795,18 @@ class _Emitter:
         text = shapes.gen_token(index)
         usage = self._usage(index + 1, cached) if req.continuous_usage else None
         doc: shapes.JSON
+        if req.kind == "responses":
+            self.text += text
+            delta = self.events.event(
+                "response.output_text.delta",
+                item_id=self.message_id,
+                output_index=0,
+                content_index=0,
+                delta=text,
+                logprobs=[],
+            )
+            await self._body(delta)
+            return
         if req.kind == "chat":
             logprobs = None
             if req.logprobs is not None:
@@ -791,7 +847,36 @@ class _Emitter:
         await self.send({"type": "http.response.body", "body": _sse(doc), "more_body": True})
 
     async def finish(self, result: GenResult) -> None:
-        """The end of a stream: the usage event if asked for, then ``[DONE]``."""
+        """The end of a stream: the usage event if asked for, then ``[DONE]`` (the Responses
+        API: its closing events)."""
+        if self.req.kind == "responses":
+            ev, item, text = self.events.event, self.message_id, self.text
+            done = responses_api.message(item, text, "completed")
+            usage = responses_api.usage(
+                len(self.req.prompt), len(result.tokens), result.cached_tokens
+            )
+            status = responses_api.status_of(result.finish_reason)
+            closing = (
+                ev(
+                    "response.output_text.done",
+                    item_id=item,
+                    output_index=0,
+                    content_index=0,
+                    text=text,
+                    logprobs=[],
+                )
+                + ev(
+                    "response.content_part.done",
+                    item_id=item,
+                    output_index=0,
+                    content_index=0,
+                    part=responses_api.output_text(text),
+                )
+                + ev("response.output_item.done", output_index=0, item=done)
+                + ev("response.completed", response=self._response(status, [done], usage, None))
+            )
+            await self.send({"type": "http.response.body", "body": closing, "more_body": False})
+            return
         body = b""
         if self.req.include_usage:
             usage = self._usage(len(result.tokens), result.cached_tokens)
@@ -809,6 +894,13 @@ class _Emitter:
         """The non-streaming answer."""
         req = self.req
         n_prompt = len(req.prompt)
+        if req.kind == "responses":
+            text = "".join(result.tokens)
+            done = responses_api.message(self.message_id, text, "completed")
+            usage = responses_api.usage(n_prompt, len(result.tokens), result.cached_tokens)
+            status = responses_api.status_of(result.finish_reason)
+            answer: shapes.JSON = self._response(status, [done], usage, result.kv_transfer_params)
+            return answer
         usage = self._usage(len(result.tokens), result.cached_tokens)
         prompt_lp = (
             shapes.prompt_logprobs(req.prompt, req.prompt_logprobs)

@@ -8,7 +8,7 @@ import attrs
 
 from .shapes import Prompt, prompt_from_ids, prompt_from_text
 
-Kind = Literal["completions", "chat"]
+Kind = Literal["completions", "chat", "responses"]
 
 #: vLLM's default ``--max-logprobs``.
 MAX_LOGPROBS = 20
@@ -100,6 +100,19 @@ def _chat_text(messages: Any) -> str:
     return "".join(parts)
 
 
+def _responses_text(given: Any, instructions: Any) -> str:
+    """The Responses API's ``input`` (a string, or messages) as chat text."""
+    if isinstance(given, str) and given:
+        messages: list[Any] = [{"role": "user", "content": given}]
+    elif isinstance(given, list) and given:
+        messages = list(given)
+    else:
+        raise BadRequest("input: Field required (a string or a list of messages)", param="input")
+    if isinstance(instructions, str) and instructions:
+        messages.insert(0, {"role": "system", "content": instructions})
+    return _chat_text(messages)
+
+
 def _completion_prompt(prompt: Any, chars_per_token: int) -> Prompt:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -173,6 +186,9 @@ def parse_request(
         if "prompt" not in body:
             raise BadRequest("prompt: Field required", param="prompt")
         prompt = _completion_prompt(body["prompt"], chars_per_token)
+    elif kind == "responses":
+        text = _responses_text(body.get("input"), body.get("instructions"))
+        prompt = prompt_from_text(text, chars_per_token)
     else:
         prompt = prompt_from_text(_chat_text(body.get("messages")), chars_per_token)
 
@@ -181,7 +197,9 @@ def parse_request(
         raise BadRequest("the simulator supports n=1 only", param="n")
 
     max_tokens = _int_or_none(body, "max_tokens")
-    if kind == "chat":
+    if kind == "responses":
+        max_tokens = _int_or_none(body, "max_output_tokens")
+    elif kind == "chat":
         max_tokens = _int_or_none(body, "max_completion_tokens") or max_tokens
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
@@ -218,7 +236,9 @@ def parse_request(
         continuous = include_usage and options.get("continuous_usage_stats") is True
 
     logprobs: int | None
-    if kind == "completions":
+    if kind == "responses":
+        logprobs = None
+    elif kind == "completions":
         logprobs = _int_or_none(body, "logprobs")
     else:
         top = _int_or_none(body, "top_logprobs")

@@ -31,6 +31,19 @@ class RoutingKey:
     hash_key: str | None = None
 
 
+def _kv_penalty(spelling: str, tier: str) -> Flag:
+    return Flag(
+        spelling,
+        Group.ROUTING_POLICY,
+        f"kv_aware: credit for KV blocks held in the {tier} tier (0.0-1.0); no effect on other"
+        " policies",
+        type=float,
+    )
+
+
+_unit = must(lambda x: 0.0 <= x <= 1.0, "must be between 0.0 and 1.0")
+
+
 @attrs.frozen
 class PolicySettings:
     """Tunables of the policies, with vllm-router's defaults and their flags."""
@@ -83,6 +96,35 @@ class PolicySettings:
             type=int,
         ),
         check=positive,
+    )
+    # kv_aware's knobs, with vllm-router's defaults and checks. kv_aware itself is refused until
+    # KV events exist (issue 21); with any other policy they change nothing, as in vllm-router.
+    router_temperature: float = setting(
+        0.0,
+        Flag(
+            "--router-temperature",
+            Group.ROUTING_POLICY,
+            "kv_aware: softmax temperature over endpoint costs in regular mode (0: the cheapest);"
+            " no effect on other policies",
+            type=float,
+        ),
+        check=must(lambda t: t >= 0.0, "must be 0 or more"),
+    )
+    kv_penalty_host: float = setting(0.8, _kv_penalty("--kv-penalty-host", "host"), check=_unit)
+    kv_penalty_external: float = setting(
+        0.6, _kv_penalty("--kv-penalty-external", "external"), check=_unit
+    )
+    kv_penalty_disk: float = setting(0.3, _kv_penalty("--kv-penalty-disk", "disk"), check=_unit)
+    kv_aware_session_affinity_ttl_secs: int | None = setting(
+        None,
+        Flag(
+            "--kv-aware-session-affinity-ttl-secs",
+            Group.ROUTING_POLICY,
+            "kv_aware: keep a session on its endpoint while it is idle less than this; no"
+            " effect on other policies",
+            type=int,
+        ),
+        check=must(lambda t: 1 <= t <= 31_536_000, "must be between 1 and 31536000"),
     )
     virtual_nodes: int = 160
 

@@ -71,7 +71,7 @@ def _messages_text(messages: object) -> str:
             out.append(content)
         elif isinstance(content, list):
             for part in content:
-                if isinstance(part, dict) and part.get("type") == "text":
+                if isinstance(part, dict) and part.get("type") in ("text", "input_text"):
                     text = part.get("text")
                     if isinstance(text, str):
                         out.append(text)
@@ -82,6 +82,11 @@ def routing_text(body: Mapping[str, object]) -> str:
     """The routing text of a completion or chat request body ("" when it has neither)."""
     if "prompt" in body:
         return _prompt_text(body["prompt"])
+    if "token_ids" in body:  # /inference/v1/generate
+        return _prompt_text(body["token_ids"])
+    if "input" in body:  # the Responses API: a string, or messages
+        given = body["input"]
+        return given if isinstance(given, str) else _messages_text(given)
     return _messages_text(body.get("messages"))
 
 

@@ -1,0 +1,228 @@
+"""vllm-router features trio-pdrouter does not implement (yet), declared so that their flags parse.
+
+A vllm-router launch command carrying one of these flags must not die in argparse with
+"unrecognized arguments": each flag is declared here, with vllm-router 0.1.17's spelling and
+default, on the field it will set once the feature exists, and ``refused=`` saying why it is
+refused and what to use instead (see :mod:`trio_pdrouter.flags`). Given with a value other than
+its default, the router exits 2 with one message naming every such flag.
+
+Kubernetes discovery (issue 20) and KV events (issue 21) are planned: their implementers move the
+section where it belongs and drop ``refused=``.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from .flags import Flag, Group, setting
+
+DISCOVERY = (
+    "Kubernetes service discovery is not implemented yet (issue 20); list the servers with"
+    " --worker-urls or --prefill/--decode, or add them at run time with POST /workers"
+)
+ZMQ_DISCOVERY = (
+    "vLLM's ZMQ service discovery is not implemented; list the servers with --prefill/--decode,"
+    " or add them at run time with POST /workers"
+)
+KV_EVENTS = (
+    "routing on vLLM's KV events (kv_aware) is not implemented yet (issue 21); use --policy"
+    " cache_aware, which tracks each engine's prefixes from the prompts routed to it"
+)
+STICKY_LEAST_LOADED = (
+    "sticky_least_loaded is not implemented; consistent_hash keeps a session on one endpoint,"
+    " power_of_two prefers the less loaded of two"
+)
+OTHER_CONNECTORS = (
+    "only the nixl and p2p_nccl KV connectors are implemented; use --kv-connector nixl"
+)
+PROGRAM_SCHEDULING = (
+    "program-level scheduling is not implemented; requests are scheduled one by one"
+)
+IGW = "multi-model IGW mode is not implemented; run one router per model"
+MINI_LB = "MiniLB is not implemented; leave --mini-lb out: the PD router does its job"
+WASM = (
+    "WASM middleware is not implemented; put request middleware in a proxy in front of the router"
+)
+
+
+def _tuple(values: list[str] | None) -> tuple[str, ...]:
+    return tuple(values or ())
+
+
+def _selector(spelling: str, help: str) -> tuple[str, ...]:
+    return setting(
+        (),
+        Flag(
+            spelling,
+            Group.REFUSED,
+            help,
+            nargs="+",
+            metavar="KEY=VALUE",
+            parse=_tuple,
+            refused=DISCOVERY,
+        ),
+    )
+
+
+@attrs.frozen
+class DiscoverySettings:
+    """vllm-router's Kubernetes pod discovery and vLLM's ZMQ registration (refused)."""
+
+    enabled: bool = setting(
+        False,
+        Flag(
+            "--service-discovery",
+            Group.REFUSED,
+            "discover workers from Kubernetes pods",
+            action="store_true",
+            refused=DISCOVERY,
+        ),
+    )
+    selector: tuple[str, ...] = _selector("--selector", "label selector of worker pods")
+    port: int = setting(
+        80,
+        Flag(
+            "--service-discovery-port",
+            Group.REFUSED,
+            "port of discovered pods",
+            type=int,
+            refused=DISCOVERY,
+        ),
+    )
+    namespace: str | None = setting(
+        None,
+        Flag(
+            "--service-discovery-namespace",
+            Group.REFUSED,
+            "namespace to watch (default: all)",
+            refused=DISCOVERY,
+        ),
+    )
+    prefill_selector: tuple[str, ...] = _selector(
+        "--prefill-selector", "label selector of prefill pods (PD mode)"
+    )
+    decode_selector: tuple[str, ...] = _selector(
+        "--decode-selector", "label selector of decode pods (PD mode)"
+    )
+    vllm_discovery_address: str | None = setting(
+        None,
+        Flag(
+            "--vllm-discovery-address",
+            Group.REFUSED,
+            "ZMQ address where vLLM workers register (PD mode)",
+            refused=ZMQ_DISCOVERY,
+        ),
+    )
+
+
+def _event_sources(spelling: str, help: str) -> tuple[str, ...]:
+    return setting(
+        (),
+        Flag(
+            spelling,
+            Group.REFUSED,
+            help,
+            action="append",
+            metavar="URL=ENDPOINT[,ENDPOINT...]",
+            parse=_tuple,
+            refused=KV_EVENTS,
+        ),
+    )
+
+
+@attrs.frozen
+class KvEventSettings:
+    """Static sources of vLLM's KV events for the ``kv_aware`` policy (refused)."""
+
+    sources: tuple[str, ...] = _event_sources(
+        "--kv-event-source", "ZMQ KV event endpoints of a worker; repeat per worker"
+    )
+    replay_sources: tuple[str, ...] = _event_sources(
+        "--kv-event-replay-source", "ZMQ replay endpoints matching a worker's event source"
+    )
+    block_size: int = setting(
+        16,
+        Flag(
+            "--kv-event-block-size",
+            Group.REFUSED,
+            "KV block size of static event sources",
+            type=int,
+            refused=KV_EVENTS,
+        ),
+    )
+    model: str | None = setting(
+        None,
+        Flag(
+            "--kv-event-model",
+            Group.REFUSED,
+            "model identity shared by workers with static event sources",
+            refused=KV_EVENTS,
+        ),
+    )
+    pd_sources: tuple[str, ...] = _event_sources(
+        "--pd-kv-events", "KV event endpoints of a prefill worker (PD mode), one per DP rank"
+    )
+
+
+@attrs.frozen
+class ExtensionSettings:
+    """vllm-router's program scheduling, IGW mode, MiniLB and WASM middleware (refused)."""
+
+    program_scheduling: bool = setting(
+        False,
+        Flag(
+            "--enable-program-scheduling",
+            Group.REFUSED,
+            "program-level scheduling",
+            action="store_true",
+            refused=PROGRAM_SCHEDULING,
+        ),
+    )
+    program_scheduling_config_json: str | None = setting(
+        None,
+        Flag(
+            "--program-scheduling-config-json",
+            Group.REFUSED,
+            "overrides of program-level scheduling",
+            refused=PROGRAM_SCHEDULING,
+        ),
+    )
+    igw: bool = setting(
+        False,
+        Flag(
+            "--enable-igw",
+            Group.REFUSED,
+            "inference-gateway mode (several models)",
+            action="store_true",
+            refused=IGW,
+        ),
+    )
+    mini_lb: bool = setting(
+        False,
+        Flag("--mini-lb", Group.REFUSED, "MiniLB", action="store_true", refused=MINI_LB),
+    )
+    wasm_middleware: str | None = setting(
+        None,
+        Flag("--wasm-middleware", Group.REFUSED, "WASM middleware artifact", refused=WASM),
+    )
+    wasm_middleware_sha256: str | None = setting(
+        None,
+        Flag(
+            "--wasm-middleware-sha256",
+            Group.REFUSED,
+            "SHA-256 the artifact must match",
+            refused=WASM,
+        ),
+    )
+    wasm_middleware_routes: tuple[str, ...] = setting(
+        (),
+        Flag(
+            "--wasm-middleware-route",
+            Group.REFUSED,
+            "path that runs the middleware; repeatable",
+            action="append",
+            metavar="PATH",
+            parse=_tuple,
+            refused=WASM,
+        ),
+    )
