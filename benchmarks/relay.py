@@ -7,8 +7,8 @@ mode with round_robin; 256-token streams from closed loops of clients in two loa
 processes. One simulator process tops out near 6,000 events/s (hypercorn spends ~165 µs per body
 send), so the streams are spread over several simulator processes. Targets: trio-pdrouter with
 its own h11 transport, trio-pdrouter with ``--upstream-transport httpx`` (httpx's stock pool),
-and vllm-router. trio-pdrouter has no ``--workers`` option (one process, one trio loop), so
-there is no worker-count comparison.
+and vllm-router, each as one process (``--workers 1``); the worker-count comparison is the
+workers scenario (``benchmarks/workers.py``).
 
 Everything shares the machine's cores, so events/s is bounded by the whole set of processes;
 the router's CPU per event (and events per router CPU-second) is the figure that travels.
@@ -54,7 +54,7 @@ def run(ctx: Context) -> dict[str, Any]:
         "profile": ctx.profile,
         "settings": {**p, "load": LOAD_FLAGS, "sim": "--fast --max-num-seqs 4096"},
         "notes": [
-            "trio-pdrouter has no --workers option: one process, one trio event loop.",
+            "trio-pdrouter runs as one process here (--workers 1); see the workers scenario.",
             f"{p['sims']} simulator processes share the streams (one tops out near 6k events/s).",
         ],
         "points": [],

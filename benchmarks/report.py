@@ -18,7 +18,16 @@ import orjson
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 REPORT = HERE / "report.md"
-SCENARIOS = ("routing", "paced", "overhead", "relay", "memory", "radix_tree", "cluster")
+SCENARIOS = (
+    "routing",
+    "paced",
+    "overhead",
+    "relay",
+    "memory",
+    "radix_tree",
+    "cluster",
+    "workers",
+)
 
 
 def latest(scenario: str) -> tuple[Path, dict[str, Any]] | None:
@@ -439,6 +448,28 @@ def _cluster(data: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def _workers(data: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Workers: `--workers 1` vs `--workers 2`",
+        "",
+        "| load | target | per s | router CPU (cores) | router µs per unit | spread | failed |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for load, block in data["loads"].items():
+        unit = f"{load} (C={block['concurrency']}, per {block['unit']})"
+        for name, row in block["targets"].items():
+            lines.append(
+                f"| {unit} | {name} | {row['per_s']:.0f} | {row['router_cpu_util']:.2f} "
+                f"| {row['router_us_per_unit']:.0f} | {row['spread']:.2f} | {row['failed']:.0f} |"
+            )
+    lines += [
+        "",
+        "spread: the busiest worker's CPU over the idlest's during a run (1.00 = even).",
+        "",
+    ]
+    return lines
+
+
 def write_report(command: str) -> Path:
     """Regenerate ``report.md`` and the charts from the newest results of each scenario."""
     parts: list[str] = [
@@ -470,6 +501,8 @@ def write_report(command: str) -> Path:
             parts += _memory(data)
         elif scenario == "cluster":
             parts += _cluster(data)
+        elif scenario == "workers":
+            parts += _workers(data)
         else:
             parts += _radix(data)
     parts += ["Sources: " + ", ".join(sources), ""]

@@ -9,7 +9,8 @@ Workload: prompts of a 3,000-character shared prefix plus a unique 160-character
 3 hot prefix groups take 60 % of the requests, 60 cold groups share the rest; 16-48 tokens
 streamed; a closed loop of 112 clients (the decode ranks hold 64), so queues form.
 
-Routers: trio-pdrouter with cache_aware (the seed command line's thresholds, and the defaults),
+Routers: trio-pdrouter with cache_aware (the seed command line's thresholds, and the defaults;
+the seed flags also with ``--workers 4``, whose prefix trees each see a quarter of the requests),
 power_of_two and round_robin; vllm-router with cache_aware (seed flags and defaults) and
 round_robin. Each run gets a fresh router and simulators reset to empty caches; configurations
 take turns. While a run is measured the router's own load count per endpoint (trio-pdrouter:
@@ -57,6 +58,11 @@ SEED_FLAGS = [
 #: (label, router kind, policy flags)
 CONFIGS: list[tuple[str, str, list[str]]] = [
     ("ours cache_aware (seed flags)", "ours", ["--policy", "cache_aware", *SEED_FLAGS]),
+    (
+        "ours cache_aware (seed flags) --workers 4",
+        "ours",
+        ["--policy", "cache_aware", *SEED_FLAGS, "--workers", "4"],
+    ),
     ("ours cache_aware (defaults)", "ours", ["--policy", "cache_aware"]),
     ("ours power_of_two", "ours", ["--policy", "power_of_two"]),
     ("ours round_robin", "ours", ["--policy", "round_robin"]),

@@ -118,7 +118,8 @@ FLAGS_BEFORE = [
     "--release-stranded-kv", "--replica-id", "--request-id-headers", "--request-timeout-secs",
     "--retry-backoff-multiplier", "--retry-initial-backoff-ms", "--retry-jitter-factor",
     "--retry-max-backoff-ms", "--retry-max-retries", "--upstream-api-key",
-    "--upstream-transport", "--version", "--vllm-pd-disaggregation", "--worker-urls", "-h",
+    "--upstream-transport", "--version", "--vllm-pd-disaggregation", "--worker-sockets",
+    "--worker-urls", "--workers", "-h",
 ]  # fmt: skip
 
 

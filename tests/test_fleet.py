@@ -54,7 +54,14 @@ def rig(dp_size: int = 1) -> Rig:
         for role in (Role.PREFILL, Role.DECODE)
     }
     routing = Routing(policies, ledger, (health.is_healthy,), None)
-    fleet = Fleet(dp_size=dp_size, routing=routing, ledger=ledger, health=health, breakers=breakers)
+    fleet = Fleet(
+        dp_size=dp_size,
+        routing=routing,
+        ledger=ledger,
+        health=health,
+        breakers=breakers,
+        machine=None,
+    )
     return Rig(fleet, routing, ledger, health, breakers)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import attrs
 import httpx
@@ -12,6 +13,8 @@ import trio.testing
 from trio_pdrouter.config import HealthSettings
 from trio_pdrouter.endpoints import Endpoint, Role
 from trio_pdrouter.health import HealthBoard
+from trio_pdrouter.machine_health import MachineVerdicts
+from trio_pdrouter.machine_table import MachineTable
 from trio_pdrouter_sim.config import SimConfig
 from trio_pdrouter_sim.server import SimServer
 
@@ -279,3 +282,30 @@ async def test_a_probe_failing_in_an_unexpected_way_is_a_failure_not_a_crash(
     rig = await start(nursery, {URL: ["bug"]})
     assert await rig.changes.next() == (URL, False, 2 * SETTINGS.interval_secs)
     assert len(rig.upstream.probe_times(URL)) == SETTINGS.failure_threshold
+
+
+async def test_one_prober_per_machine_its_verdicts_reach_the_other_workers(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    table = MachineTable.create(2, str(tmp_path / "lock"), slots=8)
+    view = MachineTable.attach(table.name, table.lock_path)
+    try:
+        async with trio.open_nursery() as nursery:
+            upstream = Upstream({URL: [503, 503, 503, 200]})
+            prober = HealthBoard(SETTINGS, [URL], verdicts=MachineVerdicts(table))
+            client = httpx.AsyncClient(transport=httpx.MockTransport(upstream.handler))
+            await nursery.start(prober.run, client)
+            changes = Changes()
+            follower = HealthBoard(SETTINGS, [URL], on_change=changes)
+            nursery.start_soon(follower.follow, MachineVerdicts(view), 0.05)
+            (url, healthy, at) = await changes.next()
+            assert (url, healthy) == (URL, False) and 20.0 <= at <= 20.1  # the third failure
+            assert not follower.is_healthy(ep(URL))
+            (url, healthy, at) = await changes.next()
+            assert (url, healthy) == (URL, True) and 40.0 <= at <= 40.1  # two successes
+            nursery.cancel_scope.cancel()
+        # the follower sent no probe of its own: four intervals, four probes, all the prober's
+        assert len(upstream.probes) == 5
+    finally:
+        view.close()
+        table.destroy()

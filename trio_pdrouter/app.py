@@ -24,7 +24,7 @@ from .endpoints import Role
 from .engine_truth import EngineTruth
 from .errors import RouterError
 from .fleet import DuplicateServer, Fleet
-from .health import HealthBoard
+from .health import HealthBoard, Verdicts
 from .load import LoadLedger
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .peers import PeerLoads, cluster_view
@@ -74,6 +74,7 @@ class RouterApp:
         health: HealthBoard,
         engine_truth: EngineTruth | None,
         peers: PeerLoads | None,
+        verdicts: Verdicts | None,
     ) -> None:
         self._config = config
         self._cors = Cors(config.cors_allowed_origins)
@@ -85,10 +86,13 @@ class RouterApp:
         self.metrics = metrics
         #: Health probes (run by :func:`trio_pdrouter.server.run_router`).
         self.health = health
-        #: The engines' own counts, when --engine-metrics-interval is not 0.
+        #: The engines' own counts, when --engine-metrics-interval is not 0 (and, with
+        #: --workers N, in the prober only).
         self.engine_truth = engine_truth
         #: The other replicas' latest loads, when --cluster-url is set.
         self.peers = peers
+        #: With --workers N, in every worker but the prober: the verdicts health follows.
+        self.verdicts = verdicts
         self.routes: dict[str, dict[str, Handler]] = {
             "/health": {"GET": self._health},
             "/healthcheck": {"GET": self._health},  # vLLM's PD proxy example serves this one

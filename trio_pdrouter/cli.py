@@ -9,6 +9,7 @@ ignoring them silently.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -64,12 +65,32 @@ def parse_config(argv: Sequence[str] | None = None) -> RouterConfig:
 def main(argv: Sequence[str] | None = None) -> None:
     from .server import run_router, wait_for_signal
     from .startup import StartupTimeout
+    from .supervisor import WorkersKeepDying, supervise
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     config = parse_config(argv)
     configure_logging(config.log_level, config.log_dir)
+    if config.server.workers == 1:
+        try:
+            trio.run(
+                lambda: run_router(config, shutdown_trigger=wait_for_signal, exit_by_deadline=True)
+            )
+        except StartupTimeout as exc:
+            sys.exit(f"trio-pdrouter: {exc}")
+        return
+    failure = ""
     try:
-        trio.run(
-            lambda: run_router(config, shutdown_trigger=wait_for_signal, exit_by_deadline=True)
-        )
-    except StartupTimeout as exc:
-        sys.exit(f"trio-pdrouter: {exc}")
+        trio.run(lambda: supervise(config, argv, wait_for_signal))
+    except* WorkersKeepDying as group:
+        failure = "; ".join(str(exc) for exc in _leaves(group))
+    if failure:
+        logging.getLogger("trio_pdrouter.supervisor").error("%s", failure)
+        sys.exit(1)
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    return [
+        leaf
+        for exc in group.exceptions
+        for leaf in (_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    ]

@@ -13,11 +13,20 @@ server from :class:`Fleet` and from nowhere else:
   there) and forgets its circuit breakers, waits up to a timeout for its in-flight requests to
   end, then drops its ledger counters — at once if they are zero, else at their last release:
   requests still running keep their leases and release what they took whenever they end.
+* With ``--workers N`` the fleet is given the machine's :class:`ServerLog`: every runtime add
+  or remove, in whichever worker, is applied here and appended to the log in one step under the
+  machine lock, after replaying what this worker had not seen yet; :meth:`Fleet.follow`
+  replays other workers' changes within ``interval`` seconds, and a replacement worker replays
+  the whole log at start. Servers from the command line are not logged: every worker starts
+  with them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -41,8 +50,28 @@ class Removal:
     in_flight: int
 
 
+class ServerLog(Protocol):
+    """The machine's runtime server changes (:class:`~.machine_table.MachineTable`)."""
+
+    @property
+    def generation(self) -> int: ...
+    def locked(self) -> AbstractContextManager[None]: ...
+    def append_change(self, change: str) -> int: ...
+    def changes(self, since: int) -> list[str]: ...
+
+
+@attrs.frozen
+class MachineServers:
+    """What a worker of ``--workers N`` shares its servers through: the machine's log, the
+    nursery that drains servers another worker removed, and how long such a drain waits."""
+
+    log: ServerLog
+    background: trio.Nursery
+    drain_timeout: float
+
+
 class Fleet:
-    """Owns the set of servers (see the module doc)."""
+    """Owns the set of servers (see the module doc); ``machine`` only with ``--workers N``."""
 
     def __init__(
         self,
@@ -52,12 +81,16 @@ class Fleet:
         ledger: LoadLedger,
         health: HealthBoard,
         breakers: Breakers,
+        machine: MachineServers | None,
     ) -> None:
         self._dp_size = dp_size
         self._routing = routing
         self._ledger = ledger
         self._health = health
         self._breakers = breakers
+        self._machine = machine
+        self._log = None if machine is None else machine.log
+        self._applied = 0
 
     @property
     def roles(self) -> tuple[Role, ...]:
@@ -78,6 +111,69 @@ class Fleet:
         Raises :class:`DuplicateServer` if the URL already serves ``role``, ``ValueError`` for a
         bad URL or a role this mode does not have.
         """
+        if self._log is None:
+            return self._add(url, role, serving)
+        with self._log.locked():
+            self._catch_up()
+            added = self._add(url, role, serving)
+            self._publish(f"add {role.value} {added[0].url}")
+            return added
+
+    async def remove(self, url: str, drain_timeout: float) -> Removal | None:
+        """Remove the server at ``url`` from every role; None if there is none."""
+        url = url.rstrip("/")
+        if self._log is None:
+            removed = self._withdraw(url)
+        else:
+            with self._log.locked():
+                self._catch_up()
+                removed = self._withdraw(url)
+                if removed:
+                    self._publish(f"remove - {url}")
+        if not removed:
+            return None
+        return await self._drain(removed, drain_timeout)
+
+    async def follow(self, interval: float) -> None:
+        """Replay other workers' server changes every ``interval`` seconds (``--workers N``)."""
+        log = self._log
+        if log is None:
+            return
+        while True:
+            if log.generation != self._applied:
+                with log.locked():
+                    self._catch_up()
+            await trio.sleep(interval)
+
+    def add_at_start(self, url: str, role: Role) -> tuple[Endpoint, ...]:
+        """A server of the command line: every worker starts with it, so it is not logged."""
+        return self._add(url, role, serving=True)
+
+    def catch_up(self) -> None:
+        """Replay the machine's server changes this worker has not applied (at start)."""
+        if self._log is not None:
+            with self._log.locked():
+                self._catch_up()
+
+    def _catch_up(self) -> None:
+        assert self._log is not None
+        for change in self._log.changes(self._applied):
+            op, role, url = change.split(" ", 2)
+            self._applied += 1
+            if op == "add":
+                with contextlib.suppress(ValueError):  # DuplicateServer included: already here
+                    self._add(url, Role(role), serving=False)
+            else:
+                removed = self._withdraw(url)
+                if removed and self._machine is not None:
+                    machine = self._machine
+                    machine.background.start_soon(self._drain, removed, machine.drain_timeout)
+
+    def _publish(self, change: str) -> None:
+        assert self._log is not None
+        self._applied = self._log.append_change(change)
+
+    def _add(self, url: str, role: Role, serving: bool) -> tuple[Endpoint, ...]:
         if role not in self._routing.roles:
             modes = ", ".join(r.value for r in self._routing.roles)
             raise ValueError(f"role {role.value!r} does not exist in this mode (use {modes})")
@@ -91,9 +187,8 @@ class Fleet:
         self._health.add_url(added[0].url, healthy=serving)
         return added
 
-    async def remove(self, url: str, drain_timeout: float) -> Removal | None:
-        """Remove the server at ``url`` from every role; None if there is none."""
-        url = url.rstrip("/")
+    def _withdraw(self, url: str) -> list[Endpoint]:
+        """Take ``url`` out of routing, health and the breakers at once; its endpoints."""
         removed: list[Endpoint] = []
         for role in self._routing.roles:
             eps = self._routing.endpoints(role)
@@ -102,10 +197,13 @@ class Fleet:
                 self._routing.set_endpoints(role, [ep for ep in eps if ep.url != url])
                 removed.extend(gone)
         if not removed:
-            return None
+            return removed
         self._health.remove_url(url)
         for ep in removed:
             self._breakers.forget(ep)
+        return removed
+
+    async def _drain(self, removed: Sequence[Endpoint], drain_timeout: float) -> Removal:
         with trio.move_on_after(drain_timeout):
             await self._ledger.wait_idle(removed)
         in_flight = sum(self._ledger.load(ep) for ep in removed)

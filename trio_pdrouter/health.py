@@ -26,6 +26,11 @@ that probe is sent as soon as they are added. Only HEALTHY admits traffic.
 Health decides which endpoints routing may choose, nothing else: it never touches the load
 ledger, so requests already running on an endpoint that turns unhealthy release their load as
 usual.
+
+With ``--workers N`` one worker probes for the machine (worker 0; its replacement takes over if
+it dies): its board publishes its verdict after every probe to the machine's :class:`Verdicts`,
+and the other workers' boards do not probe but :meth:`HealthBoard.follow` the published
+verdicts. A URL with no published verdict yet keeps the state it started in.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import httpx
 import trio
@@ -51,6 +57,13 @@ class Health(enum.Enum):
 
 #: Called with (url, healthy) whenever a URL starts or stops admitting traffic; used by metrics.
 OnChange = Callable[[str, bool], None]
+
+
+class Verdicts(Protocol):
+    """The machine's health verdicts per URL (:class:`~.machine_health.MachineVerdicts`)."""
+
+    def publish(self, url: str, health: Health) -> None: ...
+    def read(self, url: str) -> Health | None: ...
 
 
 class _Probe:
@@ -76,8 +89,11 @@ class HealthBoard:
         settings: HealthSettings,
         urls: Iterable[str] = (),
         on_change: OnChange | None = None,
+        verdicts: Verdicts | None = None,
     ) -> None:
+        """``verdicts``: where this board publishes (the machine's prober) or nothing."""
         self._settings = settings
+        self._verdicts = verdicts
         self._on_change = on_change
         self._probes: dict[str, _Probe] = {url: _Probe(Health.HEALTHY) for url in urls}
         self._nursery: trio.Nursery | None = None
@@ -133,6 +149,15 @@ class HealthBoard:
             finally:
                 self._nursery = self._client = None
 
+    async def follow(self, verdicts: Verdicts, interval: float) -> None:
+        """Take the machine prober's verdicts every ``interval`` seconds instead of probing."""
+        while True:
+            for url, probe in list(self._probes.items()):
+                health = verdicts.read(url)
+                if health is not None and health is not probe.health:
+                    self._set(url, probe, health)
+            await trio.sleep(interval)
+
     async def _probe_forever(self, client: httpx.AsyncClient, url: str, probe: _Probe) -> None:
         with probe.scope:
             # Removed (perhaps before this task first ran): stop without another probe.
@@ -155,6 +180,11 @@ class HealthBoard:
         return False
 
     def _record(self, url: str, probe: _Probe, ok: bool) -> None:
+        self._judge(url, probe, ok)
+        if self._verdicts is not None:  # every verdict, not only changes: a replacement prober
+            self._verdicts.publish(url, probe.health)  # may start from another state
+
+    def _judge(self, url: str, probe: _Probe, ok: bool) -> None:
         s = self._settings
         if ok:
             probe.failures = 0

@@ -33,7 +33,9 @@ Theory of operation for a PD request (SPEC §5)::
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from types import TracebackType
 
 import trio
@@ -109,6 +111,11 @@ class LoadLedger:
     def by_role(self, role: Role) -> dict[str, int]:
         return {ep.key: n for ep, n in self._counts.items() if ep.role is role}
 
+    def charging(self) -> AbstractContextManager[None]:
+        """Held around a choose-and-charge step. One process needs nothing (trio runs one task
+        at a time and the step has no checkpoint); the machine ledger takes its lock here."""
+        return _NOTHING_TO_HOLD
+
     def lease(self, *endpoints: Endpoint, pending: Iterable[Endpoint] = ()) -> Lease:
         """Charge each endpoint now and return the lease that will release them.
 
@@ -147,6 +154,9 @@ class LoadLedger:
             visible = self.visible(endpoint)
             for observer in self._visible_observers:
                 observer(endpoint, visible)
+
+
+_NOTHING_TO_HOLD = contextlib.nullcontext()
 
 
 class Lease:

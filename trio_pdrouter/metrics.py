@@ -77,6 +77,7 @@ class RouterMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._before_exposition: list[Callable[[], None]] = []
         r = self.registry
         p = PREFIX
         self.requests = Counter(
@@ -227,7 +228,11 @@ class RouterMetrics:
     # -- fed by the router itself --------------------------------------------------------------
 
     def watch_ledger(self, ledger: LoadLedger, endpoints: list[Endpoint]) -> None:
-        """Mirror ``ledger`` into ``in_flight``, starting with every endpoint at its load now."""
+        """Mirror ``ledger`` into ``in_flight``, starting with every endpoint at its load now.
+
+        Every exposition re-reads the ledger too: with ``--workers N`` the other workers'
+        changes notify no observer here, and the gauge must show the machine's load.
+        """
         children = {}
         for ep in endpoints:
             child = self.in_flight.labels(ep.key, ep.role.value)
@@ -242,7 +247,12 @@ class RouterMetrics:
                 )
             child.set(load)
 
+        def refresh() -> None:
+            for endpoint, child in children.items():
+                child.set(ledger.load(endpoint))
+
         ledger.observe(changed)
+        self._before_exposition.append(refresh)
 
     def observe_request(self, rec: RequestRecord) -> None:
         """Account for one finished inference request."""
@@ -320,6 +330,8 @@ class RouterMetrics:
 
     def exposition(self) -> bytes:
         """The registry in Prometheus text format (content type :data:`CONTENT_TYPE`)."""
+        for refresh in self._before_exposition:
+            refresh()
         return generate_latest(self.registry)
 
 

@@ -7,6 +7,8 @@ without an await in between, so concurrent arrivals always see each other's load
 cancellation can never fall between choice and charge. With a cluster view (``--cluster-url``)
 the policies see this replica's exact counts plus the peers' latest snapshots, read from memory
 (:class:`~.peers.PeerLoads`), so choosing stays synchronous.
+Both hold ``ledger.charging()`` over the step: with ``--workers N`` that is the machine lock, so
+arrivals in other workers see it too.
 """
 
 from __future__ import annotations
@@ -87,17 +89,19 @@ class Routing:
     ) -> tuple[Lease, Endpoint, Endpoint]:
         """Choose a prefill and a decode endpoint and charge both (SPEC §5: decode is charged
         before prefill starts, so concurrent arrivals see it)."""
-        prefill = self.choose(Role.PREFILL, key, avoid_urls)
-        decode = self.choose(Role.DECODE, key, avoid_urls)
-        # Decode is PENDING until its leg is sent: charged (policies see it) but not yet
-        # visible to the engine (engine truth leaves it out).
-        return self._ledger.lease(prefill, decode, pending=(decode,)), prefill, decode
+        with self._ledger.charging():
+            prefill = self.choose(Role.PREFILL, key, avoid_urls)
+            decode = self.choose(Role.DECODE, key, avoid_urls)
+            # Decode is PENDING until its leg is sent: charged (policies see it) but not yet
+            # visible to the engine (engine truth leaves it out).
+            return self._ledger.lease(prefill, decode, pending=(decode,)), prefill, decode
 
     def lease_one(
         self, role: Role, key: RoutingKey, avoid_urls: Collection[str] = ()
     ) -> tuple[Lease, Endpoint]:
-        endpoint = self.choose(role, key, avoid_urls)
-        return self._ledger.lease(endpoint), endpoint
+        with self._ledger.charging():
+            endpoint = self.choose(role, key, avoid_urls)
+            return self._ledger.lease(endpoint), endpoint
 
     def maintain(self) -> bool:
         """One slice of every policy's housekeeping; True while any has more to do."""

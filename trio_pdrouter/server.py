@@ -24,10 +24,12 @@ from .cluster_sync import ClusterSync, connect, exchange_timeout
 from .config import ClusterSettings, RouterConfig
 from .endpoints import normalize_url
 from .engine_truth import EngineTruth
-from .fleet import Fleet
+from .fleet import Fleet, MachineServers
 from .health import HealthBoard
 from .legs import BufferedDecode, PrefillLeg
 from .load import LoadLedger
+from .machine_health import PROBER_ROW, MachineVerdicts
+from .machine_ledger import MachineLedger
 from .metrics import MetricsApp, RouterMetrics
 from .peers import PeerLoads
 from .policies import make_policy
@@ -41,6 +43,8 @@ from .upstream import make_client, stream_timeout
 
 log = logging.getLogger("trio_pdrouter.server")
 
+#: Seconds between a worker's looks at the machine's server changes (``--workers N``).
+FOLLOW_INTERVAL = 0.05
 #: After the graceful timeout: how long hypercorn waits for the router's last answers to go out,
 #: and when the command line's process exits whatever is still running (seconds).
 ANSWER_FLUSH_S = 0.5
@@ -101,14 +105,19 @@ def hypercorn_config(config: RouterConfig) -> HypercornConfig:
 
 
 def build_app(
-    config: RouterConfig, client: httpx.AsyncClient, background: trio.Nursery
+    config: RouterConfig,
+    client: httpx.AsyncClient,
+    background: trio.Nursery,
+    *,
+    ledger: LoadLedger | None = None,
 ) -> RouterApp:
     """The whole router as an ASGI app over ``client``; tests pass an in-memory transport.
 
     ``background`` runs work that outlives a request (the stranded-KV reclaim). Health probes,
-    the engine-truth scrape and policy maintenance are started by :func:`run_router`.
+    the engine-truth scrape and policy maintenance are started by :func:`run_router`. ``ledger``
+    is this process's own unless given (a worker of ``--workers N`` gives its machine ledger).
     """
-    ledger = LoadLedger()
+    ledger = LoadLedger() if ledger is None else ledger
     metrics = RouterMetrics()
     fleet: Fleet
 
@@ -117,7 +126,14 @@ def build_app(
         for ep in fleet.endpoints_of(url):
             metrics.health(ep.key, healthy)
 
-    health = HealthBoard(config.health, on_change=health_changed)
+    verdicts = None
+    prober = True  # this process probes health and scrapes the engines
+    if isinstance(ledger, MachineLedger):
+        verdicts = MachineVerdicts(ledger.table)
+        prober = ledger.row == PROBER_ROW
+    health = HealthBoard(
+        config.health, on_change=health_changed, verdicts=verdicts if prober else None
+    )
     breakers = Breakers(
         config.breaker,
         in_flight=ledger.load,
@@ -150,12 +166,21 @@ def build_app(
         (health.is_healthy, lambda ep: breakers.admits(ep, trio.current_time())),
         peers,
     )
+    machine = None
+    if isinstance(ledger, MachineLedger):
+        machine = MachineServers(ledger.table, background, config.server.graceful_timeout)
     fleet = Fleet(
-        dp_size=config.dp_size, routing=routing, ledger=ledger, health=health, breakers=breakers
+        dp_size=config.dp_size,
+        routing=routing,
+        ledger=ledger,
+        health=health,
+        breakers=breakers,
+        machine=machine,
     )
     for role, urls in config.servers().items():
         for url in urls:
-            fleet.add(url, role, serving=True)
+            fleet.add_at_start(url, role)
+    fleet.catch_up()  # and then the runtime changes made before it started
     metrics.watch_ledger(ledger, fleet.endpoints())
 
     rate = config.admission.rate_limit_tokens_per_second
@@ -192,7 +217,7 @@ def build_app(
         rng=rng,
     )
     truth = None
-    if config.engine_metrics_interval > 0:
+    if config.engine_metrics_interval > 0 and prober:
         truth = EngineTruth(
             fleet.endpoints, ledger, client, config.engine_metrics_interval, metrics
         )
@@ -207,6 +232,7 @@ def build_app(
         health=health,
         engine_truth=truth,
         peers=peers,
+        verdicts=None if prober else verdicts,
     )
 
 
@@ -222,10 +248,17 @@ async def run_router(
     config: RouterConfig,
     *,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    ledger: LoadLedger | None = None,
+    listen_fd: int | None = None,
+    metrics_fd: int | None = None,
     exit_by_deadline: bool = False,
     task_status: trio.TaskStatus[RunningRouter] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until ``shutdown_trigger`` returns (or forever); report a :class:`RunningRouter`.
+
+    A worker of ``--workers N`` passes its machine ledger and the listening sockets the
+    supervisor made (``listen_fd``, ``metrics_fd`` for ``--prometheus-port``); otherwise the
+    router binds its ports itself.
 
     First waits for the configured servers to be healthy (:mod:`.startup`); raises
     :class:`~.startup.StartupTimeout` when they are not in time.
@@ -242,7 +275,10 @@ async def run_router(
         urls = [url for urls in config.servers().values() for url in urls]
         await wait_until_healthy(client, [normalize_url(url) for url in urls], config.health)
         async with trio.open_nursery() as nursery:
-            await _run(config, client, nursery, shutdown_trigger, exit_by_deadline, task_status)
+            seat = (ledger, listen_fd, metrics_fd)
+            await _run(
+                config, client, nursery, shutdown_trigger, exit_by_deadline, seat, task_status
+            )
 
 
 async def _run(
@@ -251,23 +287,32 @@ async def _run(
     nursery: trio.Nursery,
     shutdown_trigger: Callable[[], Awaitable[None]] | None,
     exit_by_deadline: bool,
+    seat: tuple[LoadLedger | None, int | None, int | None],
     task_status: trio.TaskStatus[RunningRouter],
 ) -> None:
-    """The router over ``client``, its background work in ``nursery``, until shutdown."""
-    app = build_app(config, client, nursery)
+    """The router over ``client``, its background work in ``nursery``, until shutdown;
+    ``seat`` is a worker's (ledger, listen_fd, metrics_fd), all None for a single process."""
+    ledger, listen_fd, metrics_fd = seat
+    hc = hypercorn_config(config)
+    if listen_fd is not None:
+        hc.bind = [f"fd://{listen_fd}"]
+    app = build_app(config, client, nursery, ledger=ledger)
     nursery.start_soon(
         _maintain_policies, app.routing, config.policy_settings.eviction_interval_secs
     )
+    nursery.start_soon(app.fleet.follow, FOLLOW_INTERVAL)
     if app.engine_truth is not None:
         nursery.start_soon(app.engine_truth.run)
-    if config.health.interval_secs > 0:
+    if config.health.interval_secs > 0 and app.verdicts is not None:
+        nursery.start_soon(app.health.follow, app.verdicts, FOLLOW_INTERVAL)
+    elif config.health.interval_secs > 0:
         await nursery.start(app.health.run, client)
     if app.peers is not None:
         await nursery.start(_sync_cluster, config.cluster, app)
     metrics_url = None
     if config.prometheus_port is not None:
         metrics_binds: list[str] = await nursery.start(
-            _serve_metrics, config, config.prometheus_port, app.metrics
+            _serve_metrics, config, config.prometheus_port, metrics_fd, app.metrics
         )
         metrics_url = metrics_binds[0]
 
@@ -283,7 +328,7 @@ async def _run(
     async def _serve(task_status: trio.TaskStatus[list[str]]) -> None:
         await serve(
             cast(Framework, app),
-            hypercorn_config(config),
+            hc,
             shutdown_trigger=trigger,
             task_status=task_status,
         )
@@ -315,6 +360,7 @@ async def _end_requests_at(app: RouterApp, deadline: float, exit_by_deadline: bo
 async def _serve_metrics(
     config: RouterConfig,
     port: int,
+    fd: int | None,
     metrics: RouterMetrics,
     task_status: trio.TaskStatus[list[str]],
 ) -> None:
@@ -325,6 +371,8 @@ async def _serve_metrics(
         port=port,
     )
     hc = hypercorn_config(attrs.evolve(config, server=server))
+    if fd is not None:
+        hc.bind = [f"fd://{fd}"]
     await serve(cast(Framework, MetricsApp(metrics)), hc, task_status=task_status)
 
 

@@ -11,6 +11,8 @@ import attrs
 
 from .flags import Flag, Group, Switch, must, positive, setting
 
+WORKER_SOCKETS = ("shared", "reuseport")
+
 
 @attrs.frozen
 class ServerSettings:
@@ -37,6 +39,27 @@ class ServerSettings:
             " then each stream ends with an error event (503) and [DONE], every other request"
             " gets a 503, and the process exits within a second more whatever clients do",
             type=float,
+        ),
+    )
+    workers: int = setting(
+        1,
+        Flag(
+            "--workers",
+            Group.LISTENING,
+            "router processes serving the port, with one machine-wide load ledger in shared"
+            " memory; a supervisor restarts any that dies. 1: a single process, no supervisor",
+            type=int,
+        ),
+        check=must(lambda n: n >= 1, "must be at least 1"),
+    )
+    worker_sockets: str = setting(
+        "shared",
+        Flag(
+            "--worker-sockets",
+            Group.LISTENING,
+            "with --workers N: one listening socket all workers accept from (shared), or one"
+            " SO_REUSEPORT socket per worker (reuseport)",
+            choices=WORKER_SOCKETS,
         ),
     )
     max_header_bytes: int = 64 * 1024

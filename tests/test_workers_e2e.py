@@ -1,0 +1,224 @@
+"""``--workers N`` end to end: a supervisor, N worker processes, one machine ledger, simulators."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from trio_pdrouter.config import RouterConfig, ServerSettings
+from trio_pdrouter.supervisor import WorkersKeepDying, supervise
+from trio_pdrouter_sim.config import SimConfig
+from trio_pdrouter_sim.server import SimServer
+
+from .cluster import eventually
+from .workers_harness import (
+    get_loads_from_many_connections,
+    start_supervisor,
+    stop_supervisor,
+)
+
+
+async def start_sims(nursery: trio.Nursery, *, dp: int = 1, itl: float = 0.01) -> list[SimServer]:
+    prefill = SimServer(SimConfig.fast(port=0, role="prefill", dp_size=dp))
+    decode = SimServer(SimConfig.fast(port=0, role="decode", dp_size=dp, itl_base_s=itl))
+    await nursery.start(prefill.run)
+    await nursery.start(decode.run)
+    return [prefill, decode]
+
+
+def pd_args(sims: list[SimServer], *extra: str) -> list[str]:
+    prefill, decode = sims
+    return ["--vllm-pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url, *extra]
+
+
+def engine_load(sim: SimServer) -> int:
+    totals = sim.state.stats()["totals"]
+    return int(totals["running"] + totals["waiting"])
+
+
+def body(max_tokens: int) -> dict[str, Any]:
+    # distinct random prompts: cache_aware finds no prefix and places by load alone
+    return {"prompt": uuid.uuid4().hex, "max_tokens": max_tokens, "stream": True}
+
+
+async def hold_streams(
+    nursery: trio.Nursery, url: str, n: int, max_tokens: int, release: trio.Event
+) -> None:
+    """Start ``n`` streams on their own connections; return once each has its first byte; each
+    then stays open, unread, until ``release`` is set."""
+    started = trio.Semaphore(0)
+
+    async def one() -> None:
+        async with (
+            httpx.AsyncClient(timeout=60) as client,
+            client.stream("POST", url + "/v1/completions", json=body(max_tokens)) as resp,
+        ):
+            assert resp.status_code == 200
+            chunks = resp.aiter_raw()
+            await chunks.__anext__()
+            started.release()
+            await release.wait()
+
+    for _ in range(n):
+        nursery.start_soon(one)
+    with trio.fail_after(60):
+        for _ in range(n):
+            await started.acquire()
+
+
+async def test_four_workers_each_report_the_engines_load_then_zero() -> None:
+    async with trio.open_nursery() as nursery:
+        # itl 50 ms: 48 held streams make ~1,000 events/s, light enough beside the whole suite
+        sims = await start_sims(nursery, itl=0.05)
+        sup = await start_supervisor(nursery, 4, pd_args(sims, "--policy", "round_robin"))
+        release = trio.Event()
+        async with trio.open_nursery() as clients:
+            await hold_streams(clients, sup.url, 48, max_tokens=20_000, release=release)
+            for _ in range(10):  # a sample every 100 ms, each from whichever worker accepts it
+                (loads,) = await get_loads_from_many_connections(sup.url, 1)
+                engine = engine_load(sims[1])
+                assert abs(sum(loads["decode"].values()) - engine) <= 1, (loads, engine)
+                assert sum(loads["prefill"].values()) == engine_load(sims[0]) == 0
+                await trio.sleep(0.1)
+            release.set()
+
+        async def engines_idle() -> bool:  # the engines see the aborts over their sockets
+            return not any(engine_load(s) for s in sims)
+
+        await eventually(engines_idle)
+        for loads in await get_loads_from_many_connections(sup.url, 8):
+            assert all(n == 0 for role in ("prefill", "decode") for n in loads[role].values())
+        assert await stop_supervisor(sup) == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_herd_through_four_workers_never_puts_more_than_its_share_on_an_endpoint() -> None:
+    async with trio.open_nursery() as nursery:
+        sims = await start_sims(nursery, dp=8, itl=0.01)
+        args = pd_args(sims, "--intra-node-data-parallel-size", "8", "--policy", "cache_aware")
+        sup = await start_supervisor(nursery, 4, args)
+        release = trio.Event()
+        async with trio.open_nursery() as clients:
+            await hold_streams(clients, sup.url, 64, max_tokens=20_000, release=release)
+            engines = sims[1].state.stats()["engines"]
+            running = [e["running"] + e["waiting"] for e in engines]
+            assert running == [8] * 8, running  # exactly the even share
+            release.set()
+        assert await stop_supervisor(sup) == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_killed_worker_loses_its_charges_and_is_replaced_others_untouched() -> None:
+    async with trio.open_nursery() as nursery:
+        sims = await start_sims(nursery, itl=0.05)
+        # The shared socket (the default): with one reuseport socket per worker, connections
+        # the kernel hashes to the dead worker's socket wait for its replacement.
+        sup = await start_supervisor(nursery, 2, pd_args(sims, "--policy", "round_robin"))
+        await sup.wait_for(lambda: len(sup.pids) == 2, 30)
+        outcomes: list[str] = []
+        started = trio.Semaphore(0)
+
+        async def one() -> None:
+            text = b""
+            try:
+                async with (
+                    httpx.AsyncClient(timeout=60) as client,
+                    client.stream("POST", sup.url + "/v1/completions", json=body(60)) as resp,
+                ):
+                    chunks = resp.aiter_raw()
+                    text = await chunks.__anext__()
+                    started.release()
+                    async for chunk in chunks:
+                        text += chunk
+            except httpx.HTTPError:
+                outcomes.append("cut")
+                return
+            ok = text.endswith(b"data: [DONE]\n\n") and text.count(b'"text"') == 60
+            outcomes.append("ok" if ok else "broken")
+
+        n = 24
+        async with trio.open_nursery() as clients:
+            for _ in range(n):
+                clients.start_soon(one)
+            with trio.fail_after(30):
+                for _ in range(n):
+                    await started.acquire()
+            victim = sup.pids[0]
+            os.kill(victim, signal.SIGKILL)
+            killed_at = trio.current_time()
+            with trio.fail_after(0.5):  # its charges gone: the ledger equals the live streams
+                while True:
+                    (loads,) = await get_loads_from_many_connections(sup.url, 1)
+                    live = n - len(outcomes)
+                    if sum(loads["decode"].values()) == live == engine_load(sims[1]):
+                        break
+                    await trio.sleep(0.01)
+            await sup.wait_for(lambda: sup.pids[0] != victim, 2 - (trio.current_time() - killed_at))
+        assert "broken" not in outcomes
+        assert 0 < outcomes.count("cut") < n, outcomes
+        async with httpx.AsyncClient(timeout=10) as client:  # the replacement serves
+            for _ in range(4):
+                resp = await client.post(sup.url + "/v1/completions", json={"prompt": "x"})
+                assert resp.status_code == 200
+        assert await stop_supervisor(sup) == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_workers_that_die_at_start_make_the_supervisor_give_up() -> None:
+    config = RouterConfig(
+        worker_urls=("http://127.0.0.1:9",),
+        server=ServerSettings(host="127.0.0.1", port=0, workers=2),
+    )
+
+    def dies(*args: object) -> list[str]:
+        return [sys.executable, "-c", "raise SystemExit(3)"]
+
+    with pytest.RaisesGroup(WorkersKeepDying, flatten_subgroups=True), trio.fail_after(60):
+        await supervise(config, [], trio.sleep_forever, command=dies)
+
+
+async def test_runtime_server_changes_reach_every_worker_and_every_replacement() -> None:
+    async with trio.open_nursery() as nursery:
+        sims = await start_sims(nursery)
+        extra = SimServer(SimConfig.fast(port=0, role="decode"))
+        await nursery.start(extra.run)
+        sup = await start_supervisor(nursery, 3, pd_args(sims, "--policy", "round_robin"))
+        await sup.wait_for(lambda: len(sup.pids) == 3, 30)
+
+        async def every_answer_lists(present: bool) -> bool:
+            for _ in range(9):  # fresh connections: the kernel spreads them over the workers
+                async with httpx.AsyncClient(timeout=10) as client:
+                    urls = [
+                        w["url"] for w in (await client.get(sup.url + "/workers")).json()["workers"]
+                    ]
+                if (extra.url in urls) != present:
+                    return False
+            return True
+
+        async with httpx.AsyncClient(timeout=10) as client:
+            resp = await client.post(
+                sup.url + "/workers", json={"url": extra.url, "role": "decode"}
+            )
+            assert resp.status_code == 201
+            again = await client.post(
+                sup.url + "/workers", json={"url": extra.url, "role": "decode"}
+            )
+            assert again.status_code == 409  # whichever worker got it, it knows
+        await eventually(lambda: every_answer_lists(True))
+        victim = sup.pids[1]
+        os.kill(victim, signal.SIGKILL)
+        await sup.wait_for(lambda: sup.pids[1] != victim, 30)
+        await eventually(lambda: every_answer_lists(True))  # the replacement replayed the log
+        async with httpx.AsyncClient(timeout=10) as client:
+            resp = await client.delete(sup.url + "/workers/" + extra.url)
+            assert resp.status_code == 200
+        await eventually(lambda: every_answer_lists(False))
+        assert await stop_supervisor(sup) == 0
+        nursery.cancel_scope.cancel()

@@ -1,0 +1,127 @@
+"""The load ledger of one worker among ``--workers N``: its charges in its row, loads machine-wide.
+
+Rules of this module:
+
+* :class:`MachineLedger` is a :class:`~trio_pdrouter.load.LoadLedger` whose every change is also
+  written to this worker's row of the :class:`~trio_pdrouter.machine_table.MachineTable`, and
+  whose every read (``load``, ``loads``, ``visible``, ``total``, ``snapshot``, ``by_role``) is
+  the sum over all rows: the machine's load, whichever worker is asked. Leases, the slot states
+  and the exactly-once release are the base class's, unchanged.
+* :meth:`MachineLedger.charging` is the machine lock. Routing holds it over choose-and-charge;
+  releases take no lock: a release only lowers a cell of the worker's own row, and a chooser that
+  reads the cell just before it chooses from a load one too high, never too low.
+* Observers get the machine-wide load of the endpoint that changed. Changes made by other
+  workers notify nobody here; readers that mirror loads (metrics) re-read on demand.
+* What this worker itself holds (``wait_idle``, ``forget_when_idle``, the never-negative check)
+  is its own row: a worker can wait only for the requests it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+
+from .endpoints import Endpoint, Role
+from .load import LoadLedger
+from .machine_table import COUNT, PENDING, MachineTable
+
+
+def slot_key(endpoint: Endpoint) -> str:
+    """The name of an endpoint in the machine table (one URL may serve several roles)."""
+    return f"{endpoint.role.value} {endpoint.key}"
+
+
+class MachineLedger(LoadLedger):
+    """Row ``row`` of ``table`` (see the module doc); ``row`` is this worker's index."""
+
+    def __init__(self, table: MachineTable, row: int, endpoints: Iterable[Endpoint] = ()) -> None:
+        if not 0 <= row < table.rows:
+            raise ValueError(f"row {row} is outside the table's {table.rows} rows")
+        self._table = table
+        self._row = row
+        self._slots: dict[Endpoint, int] = {}
+        super().__init__(())
+        for ep in endpoints:
+            self.add_endpoint(ep)
+
+    @property
+    def table(self) -> MachineTable:
+        return self._table
+
+    @property
+    def row(self) -> int:
+        """This worker's row (its index among the workers)."""
+        return self._row
+
+    def add_endpoint(self, endpoint: Endpoint) -> None:
+        if endpoint not in self._slots:
+            self._slots[endpoint] = self._table.slot(slot_key(endpoint))
+        super().add_endpoint(endpoint)
+
+    def charging(self) -> AbstractContextManager[None]:
+        return self._table.locked()
+
+    # -- machine-wide reads --------------------------------------------------------------------
+
+    def load(self, endpoint: Endpoint) -> int:
+        slot = self._slots.get(endpoint)
+        return 0 if slot is None else self._table.total(slot, COUNT)
+
+    def loads(self, endpoints: Iterable[Endpoint]) -> dict[Endpoint, int]:
+        return {ep: self.load(ep) for ep in endpoints}
+
+    def visible(self, endpoint: Endpoint) -> int:
+        slot = self._slots.get(endpoint)
+        if slot is None:
+            return 0
+        return self._table.total(slot, COUNT) - self._table.total(slot, PENDING)
+
+    def total(self) -> int:
+        return sum(self.load(ep) for ep in self._counts)
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for ep in self._counts:
+            out.setdefault(ep.role.value, {})[ep.key] = self.load(ep)
+        return out
+
+    def by_role(self, role: Role) -> dict[str, int]:
+        return {ep.key: self.load(ep) for ep in self._counts if ep.role is role}
+
+    def own(self, endpoint: Endpoint) -> int:
+        """What this worker alone holds on ``endpoint``."""
+        return self._counts.get(endpoint, 0)
+
+    # -- this worker's row ---------------------------------------------------------------------
+
+    def _change(self, endpoint: Endpoint, delta: int, *, pending: bool = False) -> None:
+        own = self._counts.get(endpoint, 0) + delta
+        if own < 0:  # pragma: no cover - a broken invariant, not a runtime condition
+            raise AssertionError(f"load of {endpoint} would go negative")
+        slot = self._slots.get(endpoint)
+        if slot is None:  # an endpoint leased without add_endpoint (tests, a removed server)
+            self.add_endpoint(endpoint)
+            slot = self._slots[endpoint]
+        self._counts[endpoint] = own
+        self._table.add(self._row, slot, COUNT, delta)
+        if pending:
+            self._pending[endpoint] = self._pending.get(endpoint, 0) + delta
+            self._table.add(self._row, slot, PENDING, delta)
+        if own == 0:
+            if endpoint in self._idle_waiters:
+                self._idle_waiters.pop(endpoint).set()
+            if endpoint in self._retired:  # removed while busy: forgotten at its last release
+                self._retired.discard(endpoint)
+                del self._counts[endpoint]
+                self._pending.pop(endpoint, None)
+        if self._observers:
+            n = self.load(endpoint)
+            for observer in self._observers:
+                observer(endpoint, n)
+        if not pending:
+            self._notify_visible(endpoint)
+
+    def _sent(self, endpoint: Endpoint) -> None:
+        self._pending[endpoint] -= 1
+        self._table.add(self._row, self._slots[endpoint], PENDING, -1)
+        self._notify_visible(endpoint)

@@ -1,0 +1,95 @@
+"""One worker process of ``--workers N``: the router over its row of the machine ledger.
+
+The supervisor starts it as ``python -m trio_pdrouter.worker ROW SHM LOCK FD METRICS_FD
+ARGV...``: its row in the machine table, the table's shared-memory name and lock file, the
+listening sockets it inherited (``METRICS_FD`` -1 without ``--prometheus-port``), and the
+router's own command line. Once it listens it writes ``ready`` on stdout
+(the supervisor's only channel from it; logs go to the inherited stderr) and serves until
+SIGTERM/SIGINT, with the single-process router's graceful rules; if the supervisor dies, the
+kernel sends it SIGTERM, so no worker outlives its supervisor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+
+import trio
+
+from .cli import parse_config
+from .log_files import configure_logging
+from .machine_ledger import MachineLedger
+from .machine_table import MachineTable
+
+READY = b"ready\n"
+_PR_SET_PDEATHSIG = 1
+
+
+#: The command of worker ``row`` given the table, the two fds and the router's argv.
+WorkerCommand = Callable[[int, MachineTable, int, int | None, Sequence[str]], list[str]]
+
+
+def worker_command(
+    row: int, table: MachineTable, fd: int, metrics_fd: int | None, argv: Sequence[str]
+) -> list[str]:
+    """The command line the supervisor runs for worker ``row``."""
+    return [
+        sys.executable,
+        "-m",
+        "trio_pdrouter.worker",
+        str(row),
+        table.name,
+        table.lock_path,
+        str(fd),
+        str(-1 if metrics_fd is None else metrics_fd),
+        *argv,
+    ]
+
+
+def _stop_with_the_supervisor() -> None:
+    """Have the kernel send this worker SIGTERM (a graceful stop) if the supervisor dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # it died before the line above ran
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main(args: Sequence[str]) -> None:
+    from .server import run_router, wait_for_signal
+
+    _stop_with_the_supervisor()
+    row, name, lock_path, fd, metrics_fd = int(args[0]), args[1], args[2], *map(int, args[3:5])
+    config = parse_config(args[5:])
+    configure_logging(config.log_level, config.log_dir)
+    logging.getLogger("trio_pdrouter").info("worker=%d pid=%d starting", row, os.getpid())
+    table = MachineTable.attach(name, lock_path)
+
+    async def serve() -> None:
+        ledger = MachineLedger(table, row)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                lambda task_status: run_router(
+                    config,
+                    shutdown_trigger=wait_for_signal,
+                    ledger=ledger,
+                    listen_fd=fd,
+                    metrics_fd=None if metrics_fd < 0 else metrics_fd,
+                    task_status=task_status,
+                )
+            )
+            os.write(sys.stdout.fileno(), READY)
+
+    try:
+        trio.run(serve)
+    finally:
+        table.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
