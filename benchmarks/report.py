@@ -450,7 +450,7 @@ def _cluster(data: dict[str, Any]) -> list[str]:
 
 def _workers(data: dict[str, Any]) -> list[str]:
     lines = [
-        "## Workers: `--workers 1` vs `--workers 2`",
+        "## 7. Workers: `--workers 1` vs `--workers 2`",
         "",
         "| load | target | per s | router CPU (cores) | router µs per unit | spread | failed |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
