@@ -85,23 +85,11 @@ class PrefillLeg:
         )
         req.prefill_sent()
         try:
-            with trio.move_on_after(self._limit) as scope:
-                resp = await post_capped(
-                    self._client,
-                    call.url,
-                    content=call.content,
-                    headers=call.headers,
-                    cap=self._cap,
-                )
-        except AnswerTooLarge as exc:
-            return req.record_failure(outcomes.invalid("prefill", ep, str(exc)))
-        except httpx.HTTPError as exc:
-            return req.record_failure(outcomes.transport_failure("prefill", ep, exc))
+            resp = await _post(self._client, call, self._limit, self._cap)
         finally:
             attempt.lease.release(ep)
-        if scope.cancelled_caught:
-            failure = outcomes.timeout("prefill", ep, f"no answer in {self._limit:g}s")
-            return req.record_failure(failure)
+        if isinstance(resp, LegFailure):
+            return req.record_failure(resp)
         if resp.status_code != 200:
             return req.record_failure(status_failure("prefill", ep, resp, resp.content))
         try:
@@ -141,25 +129,13 @@ class BufferedDecode:
         req.decode_sent()
         req.kv_taken()  # nothing will show when decode schedules it (see lifecycle)
         try:
-            with trio.move_on_after(self._limit) as scope:
-                resp = await post_capped(
-                    self._client,
-                    call.url,
-                    content=call.content,
-                    headers=call.headers,
-                    cap=self._cap,
-                )
-        except AnswerTooLarge as exc:
-            return req.record_failure(outcomes.invalid(call.stage, ep, str(exc)))
-        except httpx.HTTPError as exc:
-            if isinstance(exc, httpx.ConnectError):
-                req.kv_refused()  # the request never went out
-            return req.record_failure(outcomes.transport_failure(call.stage, ep, exc))
+            resp = await _post(self._client, call, self._limit, self._cap)
         finally:
             attempt.lease.release(ep)
-        if scope.cancelled_caught:
-            failure = outcomes.timeout(call.stage, ep, f"no answer in {self._limit:g}s")
-            return req.record_failure(failure)
+        if isinstance(resp, LegFailure):
+            if resp.kind == "connect":
+                req.kv_refused()  # the request never went out
+            return req.record_failure(resp)
         if resp.status_code != 200:
             req.kv_refused()
             return req.record_failure(status_failure(call.stage, ep, resp, resp.content))
@@ -172,6 +148,28 @@ class BufferedDecode:
             content = orjson.dumps(merged)
         req.record_success(ep)
         return Reply(200, with_default(passed_on(resp.headers), b"content-type", JSON), content)
+
+
+async def _post(
+    client: httpx.AsyncClient, call: UpstreamCall, limit: float, cap: int
+) -> httpx.Response | LegFailure:
+    """Send ``call`` and read its whole answer, within ``limit`` seconds and ``cap`` bytes.
+
+    A failure is classified, not recorded: the caller records it once its load is released.
+    """
+    ep = call.endpoint
+    try:
+        with trio.move_on_after(limit) as scope:
+            resp = await post_capped(
+                client, call.url, content=call.content, headers=call.headers, cap=cap
+            )
+    except AnswerTooLarge as exc:
+        return outcomes.invalid(call.stage, ep, str(exc))
+    except httpx.HTTPError as exc:
+        return outcomes.transport_failure(call.stage, ep, exc)
+    if scope.cancelled_caught:
+        return outcomes.timeout(call.stage, ep, f"no answer in {limit:g}s")
+    return resp
 
 
 def status_failure(stage: str, ep: Endpoint, resp: httpx.Response, body: bytes) -> LegFailure:
