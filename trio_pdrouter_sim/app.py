@@ -609,7 +609,7 @@ class SimApp:
                 prefill_s += engine.prefill_seconds(n_prompt - cached)
             if prefill_s > 0:
                 await trio.sleep(prefill_s)
-            engine.cache.insert(hashes)
+            engine.cache.insert(hashes, req.prompt.ids)
 
             if req.remote_decode:
                 result = await self._prefill_only(engine, req, plan, scope, cached, emit)
