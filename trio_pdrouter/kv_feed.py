@@ -75,9 +75,10 @@ class Feed:
 
     @property
     def known(self) -> bool:
-        """True when the index is exactly what the engine held at ``last_seq`` (not while a
-        replay is filling a gap)."""
-        return self._exact and self._replay_from is None
+        """True when the index is exactly what the engine held at ``last_seq``. A replay in
+        flight does not change that: the index lags (as it always does, by the batches in
+        transit), it does not lie."""
+        return self._exact
 
     def live(self, batch: Batch) -> int | None:
         """Take one live batch; returns the seq to replay from when one is needed."""
@@ -164,6 +165,7 @@ class Feed:
         if start != self._replay_from:
             return None
         self._replay_from = None
+        self._seen = True
         pending, self._pending = self._pending, []
         self._lose()
         pending = pending[_restart_in(pending) or 0 :]
