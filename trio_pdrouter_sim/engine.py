@@ -91,10 +91,10 @@ class PrefixCache:
             ids[first * bs : (last + 1) * bs],
         )
 
-    def clear(self) -> None:
-        """Forget every block."""
+    def clear(self, *, publish: bool = True) -> None:
+        """Forget every block (``publish=False``: silently, as a restarted engine starts)."""
         self._blocks.clear()
-        if self.journal is not None:
+        if self.journal is not None and publish:
             self.journal.cleared()
             self.journal.step()
 

@@ -216,3 +216,90 @@ async def serve_replay(
     finally:
         trio.lowlevel.notify_closing(fd)
         router.close(linger=0)
+
+
+class KvPublishers:
+    """The PUB (and replay ROUTER) sockets of every DP rank of one server, and their journals.
+
+    Rank ``r`` binds ``host:pub_port + r`` (and ``host:replay_port + r``), as vLLM offsets its
+    ports per rank; a port of 0 binds any free port per rank. :attr:`endpoints` and
+    :attr:`replay_endpoints` give what was bound. :meth:`run` answers replays until cancelled,
+    then closes every socket.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        dp_size: int,
+        block_size: int,
+        pub_port: int,
+        replay_port: int | None,
+        layout: Layout = "map",
+        buffer: int = 10_000,
+        join_delay_s: float = 0.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self.journals: list[KvJournal] = []
+        self.endpoints: list[str] = []
+        self.replay_endpoints: list[str] = []
+        self._routers: list[zmq.Socket[bytes]] = []
+        self._pubs: list[zmq.Socket[bytes]] = []
+        for rank in range(dp_size):
+            pub = ctx.socket(zmq.PUB)
+            pub.setsockopt(zmq.LINGER, 0)
+            self.endpoints.append(_bind(pub, host, pub_port, rank))
+            self._pubs.append(pub)
+            if replay_port is not None:
+                router = ctx.socket(zmq.ROUTER)
+                router.setsockopt(zmq.LINGER, 0)
+                self.replay_endpoints.append(_bind(router, host, replay_port, rank))
+                self._routers.append(router)
+            self.journals.append(
+                KvJournal(
+                    rank,
+                    block_size,
+                    pub=pub,
+                    layout=layout,
+                    buffer=buffer,
+                    faults=KvFaults(join_delay_s=join_delay_s),
+                    rng=rng,
+                )
+            )
+
+    async def run(self) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                for router, journal in zip(self._routers, self.journals, strict=False):
+                    nursery.start_soon(serve_replay, router, journal)
+                await trio.sleep_forever()
+        finally:
+            for pub in self._pubs:
+                pub.close(linger=0)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Per rank: endpoints, next seq, batches buffered, batches dropped on purpose."""
+        return [
+            {
+                "rank": j.rank,
+                "endpoint": self.endpoints[j.rank],
+                "replay_endpoint": (
+                    self.replay_endpoints[j.rank] if self.replay_endpoints else None
+                ),
+                "next_seq": j.next_seq,
+                "buffered": len(j.buffer),
+                "dropped": j.faults.dropped,
+            }
+            for j in self.journals
+        ]
+
+
+def _bind(sock: zmq.Socket[bytes], host: str, base: int, rank: int) -> str:
+    address = f"tcp://[{host}]" if ":" in host else f"tcp://{host}"
+    if base == 0:
+        port = sock.bind_to_random_port(address)
+    else:
+        port = base + rank
+        sock.bind(f"{address}:{port}")
+    return f"{address}:{port}"
