@@ -16,6 +16,7 @@ import attrs
 from .endpoints import Endpoint, Role, expand, normalize_url
 from .flags import ConfigError as ConfigError
 from .flags import Flag, Group, must, positive, section, setting
+from .kv_sources import KvEventSettings
 from .policies import POLICY_NAMES, PolicySettings
 from .settings import (
     AdmissionSettings,
@@ -27,12 +28,10 @@ from .settings import (
     Timeouts,
 )
 from .unsupported import (
-    KV_EVENTS,
     OTHER_CONNECTORS,
     STICKY_LEAST_LOADED,
     DiscoverySettings,
     ExtensionSettings,
-    KvEventSettings,
 )
 
 __all__ = [
@@ -51,7 +50,7 @@ KV_CONNECTORS = ("nixl", "p2p_nccl")
 TRANSPORTS = ("h11", "httpx")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 #: vllm-router's policies that trio-pdrouter does not have, with the reason and the alternative.
-REFUSED_POLICIES = {"kv_aware": KV_EVENTS, "sticky_least_loaded": STICKY_LEAST_LOADED}
+REFUSED_POLICIES = {"sticky_least_loaded": STICKY_LEAST_LOADED}
 
 
 def _upstream_urls(instance: Any, field: attrs.Attribute[Any], urls: tuple[str, ...]) -> None:
@@ -354,9 +353,9 @@ class RouterConfig:
         ),
         check=must(lambda s: s >= 0, "must be 0 (off) or a positive number"),  # refuses NaN
     )
+    kv_events: KvEventSettings = section(KvEventSettings)
     # -- vllm-router flags for what is not implemented (see trio_pdrouter.unsupported)
     discovery: DiscoverySettings = section(DiscoverySettings)
-    kv_events: KvEventSettings = section(KvEventSettings)
     extensions: ExtensionSettings = section(ExtensionSettings)
 
     def __attrs_post_init__(self) -> None:

@@ -87,7 +87,8 @@ class _Tier:
 class BlockIndex:
     """What one engine's prefix cache holds, kept exact by :meth:`apply` (see the module doc).
 
-    ``weights`` gives each medium's credit per block (a medium not listed gets 0: not credited).
+    ``weights`` gives each medium's credit per block; a medium not listed gets the weight of
+    ``"*"`` (0 if that is not listed either: not credited).
     """
 
     def __init__(self, block_size: int, weights: Mapping[str, float], budget: int) -> None:
@@ -167,7 +168,8 @@ class BlockIndex:
 
     def match(self, keys: Sequence[int]) -> tuple[int, float]:
         """Leading ``keys`` held and their weighted credit (each block: its best tier)."""
-        tiers = [(self._weights.get(m, 0.0), t) for m, t in self._tiers.items()]
+        default = self._weights.get("*", 0.0)
+        tiers = [(self._weights.get(m, default), t) for m, t in self._tiers.items()]
         tiers = [(w, t) for w, t in tiers if w > 0]
         tiers.sort(key=lambda wt: -wt[0])
         blocks = 0

@@ -110,6 +110,11 @@ class KvEvents:
     def feed(self, url: str, rank: int | None) -> Feed | None:
         return self.feeds.get((url, rank))
 
+    def exact_index(self, url: str, rank: int | None) -> BlockIndex | None:
+        """The index of an engine whose events are known to be complete, else None."""
+        feed = self.feeds.get((url, rank))
+        return feed.index if feed is not None and feed.known else None
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Follow every source until cancelled; started once every socket is attached."""
         async with trio.open_nursery() as nursery:
