@@ -24,8 +24,8 @@ class View:
         self.indexes = {ep.url: BlockIndex(BS, {"GPU": 1.0, "CPU": 0.5}, 1000) for ep in EPS}
         self.known = {ep.url: True for ep in EPS}
 
-    def exact_index(self, url: str, rank: int | None) -> BlockIndex | None:
-        return self.indexes[url] if self.known[url] else None
+    def index(self, url: str, rank: int | None) -> tuple[BlockIndex, bool]:
+        return self.indexes[url], self.known[url]
 
     def store(self, ep: Endpoint, blocks: int, medium: str = "GPU") -> None:
         hashes = tuple(range(1, blocks + 1))
@@ -79,16 +79,20 @@ def test_an_off_gpu_block_counts_its_penalty() -> None:
     assert policy.choose(EPS, dict.fromkeys(EPS, 0), KEY) == EPS[1]
 
 
-def test_an_unknown_engine_is_judged_by_the_estimate_never_by_its_index() -> None:
+def test_an_unknown_engine_is_judged_by_the_estimate_or_its_lower_bound() -> None:
     view = View()
-    view.store(EPS[0], 8)
-    view.known[EPS[0].url] = False  # its index may be stale: not trusted
+    view.store(EPS[0], 2)  # what EPS[0] stored since its loss
+    view.known[EPS[0].url] = False
     view.known[EPS[2].url] = False
     policy = make(view)
     loads = dict.fromkeys(EPS, 0)
     policy.estimate.tree.insert(TEXT, EPS[2])  # the estimate says EPS[2] saw this text
-    assert policy.choose(EPS, loads, KEY) == EPS[2]
+    assert policy.choose(EPS, loads, KEY) == EPS[2]  # the estimate's full match beats 2/8
     assert policy.last.reason == "estimate_hit" and not policy.last.known
+    view.store(EPS[0], 8)
+    fresh = make(view)
+    fresh.estimate.tree.insert(TEXT[:20], EPS[2])  # the estimate's short match: 8/8 wins
+    assert fresh.choose(EPS, loads, KEY) == EPS[0] and not fresh.last.known
 
 
 def test_without_tokens_it_decides_as_cache_aware() -> None:

@@ -110,10 +110,10 @@ class KvEvents:
     def feed(self, url: str, rank: int | None) -> Feed | None:
         return self.feeds.get((url, rank))
 
-    def exact_index(self, url: str, rank: int | None) -> BlockIndex | None:
-        """The index of an engine whose events are known to be complete, else None."""
+    def index(self, url: str, rank: int | None) -> tuple[BlockIndex, bool] | None:
+        """An engine's index and whether it is exact (its events known to be complete)."""
         feed = self.feeds.get((url, rank))
-        return feed.index if feed is not None and feed.known else None
+        return (feed.index, feed.known) if feed is not None else None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Follow every source until cancelled; started once every socket is attached."""

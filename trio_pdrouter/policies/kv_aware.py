@@ -9,8 +9,10 @@ Per decision, over the candidates:
 * otherwise each candidate's *hit* is the share of the prompt's full blocks it holds as a
   leading run, each block weighted by its medium (GPU 1, ``--kv-penalty-host|external|disk``
   for blocks held only off-GPU). An engine whose event stream is not known to be exact
-  (``known`` false: no events yet, history lost) gets the estimate instead: the share of the
-  routing text ``cache_aware``'s tree has seen go there. Never credit from a stale index.
+  (``known`` false: no events yet, history lost) gets the larger of the estimate (the share of
+  the routing text ``cache_aware``'s tree has seen go there) and what its index shows: after a
+  loss the index is cleared and then holds only blocks stored since, whose removes are all
+  seen, so it may miss blocks but never shows one the engine dropped.
 * score = hit - (load - min_load) / (``--balance-abs-threshold`` + 1): a load difference as
   large as the balance threshold costs as much as a whole cached prompt. With
   ``--router-temperature`` 0 the best score wins (ties at random); above 0 the choice is drawn
@@ -38,11 +40,11 @@ from .cache_aware import CacheAware
 
 
 class KvView(Protocol):
-    """What the policy reads of the subscriber: an engine's index, if exact."""
+    """What the policy reads of the subscriber: an engine's index and whether it is exact."""
 
     block_size: int
 
-    def exact_index(self, url: str, rank: int | None) -> BlockIndex | None: ...
+    def index(self, url: str, rank: int | None) -> tuple[BlockIndex, bool] | None: ...
 
 
 @attrs.frozen
@@ -117,17 +119,20 @@ class KvAware:
     ) -> tuple[float, int, bool]:
         """(hit share, blocks credited, known) of one candidate."""
         assert self._view is not None
-        index = self._view.exact_index(candidate.url, candidate.rank)
-        if index is not None:
-            if not keys:
-                return 0.0, 0, True
-            blocks, credit = index.match(keys)
-            return credit / len(keys), blocks, True
-        if not key.text:
-            return 0.0, 0, False
-        chars, _owner = self.estimate.tree.match(key.text, eligible=frozenset((candidate,)))
-        share = chars / len(key.text)
-        return share, round(share * len(keys)), False
+        found = self._view.index(candidate.url, candidate.rank)
+        blocks, credit = found[0].match(keys) if found is not None and keys else (0, 0.0)
+        lower = credit / len(keys) if keys else 0.0
+        if found is not None and found[1]:
+            return lower, blocks, True
+        # Unknown: what its index still shows is true (stored since the loss, removes seen) but
+        # may be missing blocks, so the estimate may say more.
+        share = 0.0
+        if key.text:
+            chars, _owner = self.estimate.tree.match(key.text, eligible=frozenset((candidate,)))
+            share = chars / len(key.text)
+        if share > lower:
+            return share, round(share * len(keys)), False
+        return lower, blocks, False
 
     def _pick(self, scores: list[float]) -> int:
         temperature = self._settings.router_temperature
