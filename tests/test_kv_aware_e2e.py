@@ -82,6 +82,11 @@ async def test_text_and_chat_prompts_follow_the_engine_that_holds_them() -> None
         for i in range(4):
             again = [*CHAT[:1], {"role": "user", "content": f"q{i}"}]
             assert await served_by(r, "/v1/chat/completions", {"messages": again}) == chat_first
+        resp = await r.client.post(
+            r.router.url + "/v1/completions", json={"prompt": DOC + "last", "max_tokens": 1}
+        )
+        matched, total = resp.headers["x-trio-pdrouter-kv"].removesuffix(";known").split("/")
+        assert int(total) == len(DOC + "last") // 4 // 16 and int(matched) >= int(total) - 1
         metrics = (await r.client.get(r.router.url + "/metrics")).text
         hits = [line for line in metrics.splitlines() if 'reason="kv_hit"' in line]
         assert hits and float(hits[0].rsplit(" ", 1)[1]) >= 10  # credited from the events

@@ -9,7 +9,7 @@ from ..endpoints import Endpoint
 from ._base import DecisionObserver, Policy, PolicySettings, RoutingKey
 from .cache_aware import CacheAware
 from .consistent_hash import ConsistentHash
-from .kv_aware import KvAware, KvView
+from .kv_aware import KvAware, KvDecision, KvView
 from .power_of_two import PowerOfTwo
 from .radix_tree import RadixTree
 from .random import Random
@@ -22,6 +22,7 @@ __all__ = [
     "ConsistentHash",
     "DecisionObserver",
     "KvAware",
+    "KvDecision",
     "KvView",
     "Policy",
     "PolicySettings",

@@ -56,6 +56,10 @@ class KvDecision:
     known: bool
     reason: str
 
+    def note(self) -> str:
+        """``matched/total;known`` (or ``;estimate``), for the routing header and access line."""
+        return f"{self.blocks}/{self.total_blocks};{'known' if self.known else 'estimate'}"
+
 
 class KvAware:
     """Exact prefix-cache affinity from KV events, traded against load (module doc)."""
