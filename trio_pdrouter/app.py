@@ -59,8 +59,9 @@ class RouterApp:
 
     Every collaborator is given here: the fleet (servers), routing (candidates), the ledger
     (``/get_loads``), the proxy (inference), the upstream client (``/v1/models``), metrics,
-    the health board, engine truth (None when ``--engine-metrics-interval`` is 0) and the
-    peers' loads (None without ``--cluster-url``).
+    the health board, engine truth (None when ``--engine-metrics-interval`` is 0), the
+    peers' loads (None without ``--cluster-url``), the KV-event subscriber (None without
+    ``--kv-event-source``) and the prompt tokenizer calls (None without a ``kv_aware`` stage).
     """
 
     def __init__(
@@ -77,8 +78,8 @@ class RouterApp:
         engine_truth: EngineTruth | None,
         peers: PeerLoads | None,
         verdicts: Verdicts | None,
-        kv_events: KvEvents | None = None,
-        tokens: PromptTokens | None = None,
+        kv_events: KvEvents | None,
+        tokens: PromptTokens | None,
     ) -> None:
         self._config = config
         self._cors = Cors(config.cors_allowed_origins)
