@@ -15,7 +15,8 @@ cancel scope per stream (:class:`IdleDeadline`), not one per read: per token-pac
 scope costs more than the rest of the upstream read path.
 
 Bytes go through untouched, but only whole SSE events (:class:`~.sse.EventFramer`): a partial
-tail is held back, so an error event appended after a mid-stream failure always parses.
+tail is held back, so an error event appended after a mid-stream failure always parses. One
+event may not grow past the buffer's limit either: the stream then ends with an error.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from .legs import UpstreamCall, status_failure
 from .outcomes import LegFailure
 from .request import Attempt, Request
 from .response_headers import passed_on, with_default
-from .sse import EventFramer
+from .sse import EventFramer, EventTooLarge
 from .transport import body_chunks
 from .upstream import AnswerTooLarge, read_capped
 
@@ -230,6 +231,8 @@ class DecodeRelay:
             buffer.close(req.record_failure(outcomes.client_too_slow(stage, ep, str(exc))))
         except AnswerTooLarge as exc:  # an error answer (before the head) past the cap
             head.fail(req.record_failure(outcomes.invalid(stage, ep, str(exc))))
+        except EventTooLarge as exc:  # an upstream line that never ends: not held without limit
+            buffer.close(req.record_failure(outcomes.invalid(stage, ep, str(exc))))
         except httpx.HTTPError as exc:
             failure = req.record_failure(outcomes.transport_failure(stage, ep, exc))
             if head.ready.is_set():  # mid-stream: the client gets an error event
@@ -264,7 +267,7 @@ class DecodeRelay:
             head.fail(req.record_failure(failure))
             return
         head.open(with_default(passed_on(resp.headers), b"content-type", b"text/event-stream"))
-        framer = EventFramer()
+        framer = EventFramer(self._max_buffered_bytes)
         taken = False
         async for chunk in body_chunks(resp):
             idle.touch()

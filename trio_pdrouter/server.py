@@ -14,7 +14,6 @@ import httpx
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
-from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.typing import Framework
 
 from .admission import Admission
@@ -26,6 +25,7 @@ from .endpoints import normalize_url
 from .engine_truth import EngineTruth
 from .fleet import Fleet, MachineServers
 from .health import HealthBoard
+from .hypercorn_fixes import close_connections_when_clients_leave, serve_http1_only
 from .legs import BufferedDecode, PrefillLeg
 from .load import LoadLedger
 from .machine_health import PROBER_ROW, MachineVerdicts
@@ -60,32 +60,6 @@ class RunningRouter:
     app: RouterApp
     #: The separate ``/metrics`` listener's address, when ``--prometheus-port`` is set.
     metrics_url: str | None = None
-
-
-def close_connections_when_clients_leave() -> None:
-    """Make hypercorn close a connection as soon as its client has closed it.
-
-    hypercorn (0.17-0.18, trio worker) handles a client's FIN by closing the ASGI stream, but the
-    connection's task group still waits for the keep-alive idle timer, so the socket stays open,
-    half-closed, for up to ``--keep-alive-timeout-secs`` after every client that leaves. Under
-    load that is request rate x timeout file descriptors (a 500-stream soak left 182 behind).
-    Stopping the idle timer once reading has ended lets the connection close at once.
-    """
-    original = getattr(TCPServer, "_read_data", None)
-    if original is None:  # a hypercorn this was not written for: keep working, say so
-        log.warning("hypercorn changed: client-closed connections linger until keep-alive ends")
-        return
-    if getattr(original, "_closes_idle_timer", False):
-        return
-
-    async def _read_data(self: TCPServer) -> None:
-        try:
-            await original(self)
-        finally:
-            await self.idle_task.stop()
-
-    _read_data._closes_idle_timer = True  # type: ignore[attr-defined]
-    TCPServer._read_data = _read_data  # type: ignore[method-assign]
 
 
 def hypercorn_config(config: RouterConfig) -> HypercornConfig:
@@ -271,6 +245,7 @@ async def run_router(
     hold sends that nothing can cancel.
     """
     close_connections_when_clients_leave()
+    serve_http1_only()
     async with make_client(config) as client:
         urls = [url for urls in config.servers().values() for url in urls]
         await wait_until_healthy(client, [normalize_url(url) for url in urls], config.health)

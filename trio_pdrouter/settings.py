@@ -62,6 +62,18 @@ class ServerSettings:
             choices=WORKER_SOCKETS,
         ),
     )
+    body_timeout: float = setting(
+        60.0,
+        Flag(
+            "--request-body-timeout-secs",
+            Group.LISTENING,
+            "a request body must arrive whole within this time, else 408 and the connection"
+            " closes (a body trickled byte by byte holds no slot forever)",
+            type=float,
+        ),
+        check=positive,
+    )
+    #: The request line plus headers, counted as they arrived (a larger head gets 431).
     max_header_bytes: int = 64 * 1024
 
 
