@@ -1,4 +1,4 @@
-"""Two changes to how hypercorn's trio worker serves connections, made once at start-up.
+"""Changes to how hypercorn's trio worker serves connections, made once at start-up.
 
 Both patch hypercorn 0.17-0.18 (the versions pyproject allows); each checks that what it
 replaces is still there and, on a hypercorn it was not written for, logs a warning and leaves
@@ -12,12 +12,20 @@ hypercorn as it is rather than fail.
   and engines speak HTTP/1.1, TLS (the only way to negotiate h2 by ALPN) is not served, so the
   upgrade is ignored (the answer comes in HTTP/1.1, as RFC 9113 §3.1 allows) and a preface
   reaches the app as an ``HTTP/2.0`` request, which it answers 505.
+* :func:`expose_connections`: the app can cut its request's connection
+  (:func:`current_connection`). hypercorn shields every send to a client, so a client that
+  accepts nothing holds the request's task in that send for as long as it stays connected; the
+  only way out is to close the socket under it, which makes the send fail and end. The handle
+  reaches the app through a context variable set in the connection's task: trio starts each
+  task with a copy of its parent's context, so the app's tasks for that connection see it.
 """
 
 from __future__ import annotations
 
 import logging
+from contextvars import ContextVar
 
+import attrs
 import h11
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
@@ -65,3 +73,40 @@ def serve_http1_only() -> None:
 
     _check_protocol._http1_only = True  # type: ignore[attr-defined]
     H11Protocol._check_protocol = _check_protocol  # type: ignore[method-assign]
+
+
+@attrs.frozen
+class Connection:
+    """The client connection a request came on."""
+
+    _server: TCPServer
+
+    def cut(self) -> None:
+        """Close the socket now: a send blocked on it fails at once, and so does the read."""
+        self._server.stream.socket.close()
+
+
+_CONNECTION: ContextVar[Connection | None] = ContextVar("trio_pdrouter_connection", default=None)
+
+
+def current_connection() -> Connection | None:
+    """The connection of the request being served in this task (None outside hypercorn, or
+    on a hypercorn :func:`expose_connections` could not patch)."""
+    return _CONNECTION.get()
+
+
+def expose_connections() -> None:
+    """Give every connection's tasks their :class:`Connection` (see the module doc)."""
+    original = getattr(TCPServer, "run", None)
+    if original is None or not hasattr(TCPServer, "protocol_send"):
+        log.warning("hypercorn changed: clients that accept nothing cannot be cut off")
+        return
+    if getattr(original, "_exposes_connection", False):
+        return
+
+    async def run(self: TCPServer) -> None:
+        _CONNECTION.set(Connection(self))
+        await original(self)
+
+    run._exposes_connection = True  # type: ignore[attr-defined]
+    TCPServer.run = run  # type: ignore[method-assign]

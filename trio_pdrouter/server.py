@@ -25,7 +25,11 @@ from .endpoints import normalize_url
 from .engine_truth import EngineTruth
 from .fleet import Fleet, MachineServers
 from .health import HealthBoard
-from .hypercorn_fixes import close_connections_when_clients_leave, serve_http1_only
+from .hypercorn_fixes import (
+    close_connections_when_clients_leave,
+    expose_connections,
+    serve_http1_only,
+)
 from .legs import BufferedDecode, PrefillLeg
 from .load import LoadLedger
 from .machine_health import PROBER_ROW, MachineVerdicts
@@ -37,6 +41,7 @@ from .proxy import Proxy
 from .rate_limit import TokenBucket
 from .relay import DecodeRelay
 from .routing import Routing
+from .stalls import StallWatch
 from .startup import wait_until_healthy
 from .stranded import KvReclaimer
 from .upstream import make_client, stream_timeout
@@ -246,6 +251,7 @@ async def run_router(
     """
     close_connections_when_clients_leave()
     serve_http1_only()
+    expose_connections()
     async with make_client(config) as client:
         urls = [url for urls in config.servers().values() for url in urls]
         await wait_until_healthy(client, [normalize_url(url) for url in urls], config.health)
@@ -276,6 +282,8 @@ async def _run(
         _maintain_policies, app.routing, config.policy_settings.eviction_interval_secs
     )
     nursery.start_soon(app.fleet.follow, FOLLOW_INTERVAL)
+    if config.server.write_timeout > 0:
+        nursery.start_soon(StallWatch(config.server.write_timeout, app.proxy.in_flight).run)
     if app.engine_truth is not None:
         nursery.start_soon(app.engine_truth.run)
     if config.health.interval_secs > 0 and app.verdicts is not None:
