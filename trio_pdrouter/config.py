@@ -245,6 +245,17 @@ class RouterConfig:
             type=int,
         ),
     )
+    max_total_buffered_bytes: int = setting(
+        256 * 1024 * 1024,
+        Flag(
+            "--max-total-buffered-bytes",
+            Group.REQUESTS,
+            "decode output held for all clients together; past it the streams furthest"
+            " behind are ended (aborted upstream) until the total fits",
+            type=int,
+        ),
+        check=positive,
+    )
     max_upstream_answer_bytes: int = setting(
         64 * 1024 * 1024,
         Flag(

@@ -19,6 +19,7 @@ from hypercorn.typing import Framework
 from .admission import Admission
 from .app import RouterApp
 from .breaker import Breakers
+from .buffers import BufferBudget
 from .cluster_sync import ClusterSync, connect, exchange_timeout
 from .config import ClusterSettings, RouterConfig
 from .endpoints import normalize_url
@@ -168,6 +169,8 @@ def build_app(
         bucket = TokenBucket(config.admission.max_concurrent_requests, rate, trio.current_time())
     admission = Admission(config.admission, bucket)
     metrics.watch_admission(lambda: admission.queued)
+    budget = BufferBudget(config.max_total_buffered_bytes)
+    metrics.watch_buffers(lambda: budget.total)
     t = config.timeouts
     proxy = Proxy(
         config,
@@ -183,6 +186,7 @@ def build_app(
             first_byte_limit=t.first_byte_limit,
             stream_timeout=stream_timeout(t),
             max_buffered_bytes=config.max_buffered_bytes,
+            budget=budget,
             release_at_headers=config.release_decode_at_headers,
         ),
         reclaimer=KvReclaimer(
