@@ -277,3 +277,18 @@ class DiscoveryMachine(RuleBasedStateMachine):
 
 TestDiscoveryMachine = DiscoveryMachine.TestCase
 TestDiscoveryMachine.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+
+
+def test_a_full_machine_log_skips_the_change_and_discovery_goes_on() -> None:
+    from trio_pdrouter.machine_table import TableFull
+
+    r = rig()
+    rec, _, changes = reconciler(r.fleet)
+
+    def full(*args: Any, **kwargs: Any) -> Any:
+        raise TableFull("the machine's server change log is full (1024 changes)")
+
+    r.fleet.add = full  # type: ignore[method-assign]
+    rec.apply(Role.DECODE, "ADDED", pod("d", "10.0.0.2", labels={"role": "d"}))
+    rec.sync()
+    assert changes == [] and discovered(r.fleet) == set()

@@ -18,6 +18,9 @@ Rules of this module:
   address), is withdrawn and added again as what the pods now say.
 * Servers from the command line or ``POST /workers`` are never removed by discovery: a pod at
   the address of one of them is left to it (logged once), in any role, and never added.
+* With ``--workers N`` the machine's table has room for a bounded number of endpoints and
+  runtime changes (:class:`~.machine_table.TableFull`): past it a change is logged as an error
+  and skipped, and discovery goes on.
 * One log line per change: ``discovery added|removed url=... role=... pod=ns/name uid=...``,
   with the reason of a removal.
 """
@@ -31,6 +34,7 @@ import trio
 
 from .endpoints import Role
 from .fleet import Fleet, Origin
+from .machine_table import TableFull
 from .pod_rule import Pod, PodServer, Selector, ineligible, pod_ref, servers_of
 
 log = logging.getLogger("trio_pdrouter.discovery")
@@ -135,7 +139,11 @@ class Reconciler:
 
     def _withdraw(self, url: str, origin: Origin) -> None:
         roles = [ep.role for ep in self._fleet.endpoints_of(url)]
-        removed = self._fleet.withdraw(url)
+        try:
+            removed = self._fleet.withdraw(url)
+        except TableFull as exc:
+            log.error("discovery url=%s not removed on every worker: %s", url, exc)
+            return
         if not removed:
             return
         self._background.start_soon(self._fleet.drain, removed, self._drain_timeout)
@@ -172,6 +180,9 @@ class Reconciler:
             self._fleet.add(server.url, server.role, serving=self._serving, origin=origin)
         except ValueError as exc:  # an address the router cannot use
             log.warning("discovery pod=%s refused: %s", server.pod.key, exc)
+            return
+        except TableFull as exc:
+            log.error("discovery url=%s not added: %s", server.url, exc)
             return
         self._why.pop(server.url, None)
         log.info(
