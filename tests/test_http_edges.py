@@ -179,7 +179,9 @@ async def test_http2_is_not_served_neither_by_upgrade_nor_by_preface() -> None:
             b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n",
         )
         assert upgrade.startswith(b"HTTP/1.1 200"), upgrade[:80]
-        preface = await _exchange(url, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00" * 9)
+        # The preface's first half only: the rest (SM, then frames) would stay unread when the
+        # router closes, and the kernel's RST could then drop the 505 before the test reads it.
+        preface = await _exchange(url, b"PRI * HTTP/2.0\r\n\r\n")
         assert preface.startswith(b"HTTP/1.1 505"), preface[:80]
         assert b"HTTP/2 is not served" in preface
         nursery.cancel_scope.cancel()

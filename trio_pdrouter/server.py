@@ -31,6 +31,8 @@ from .hypercorn_fixes import (
     expose_connections,
     serve_http1_only,
 )
+from .kube_credentials import Credentials
+from .kube_discovery import credentials, follow_pods
 from .legs import BufferedDecode, PrefillLeg
 from .load import LoadLedger
 from .machine_health import PROBER_ROW, MachineVerdicts
@@ -244,7 +246,8 @@ async def run_router(
     router binds its ports itself.
 
     First waits for the configured servers to be healthy (:mod:`.startup`); raises
-    :class:`~.startup.StartupTimeout` when they are not in time.
+    :class:`~.startup.StartupTimeout` when they are not in time, and
+    :class:`~.kube_credentials.NoCredentials` when ``--service-discovery`` has no API server.
 
     Shutdown: once the trigger returns, the router stops accepting connections and lets the
     requests in flight finish for ``--graceful-timeout-secs``; then it ends each one whose
@@ -259,8 +262,10 @@ async def run_router(
     async with make_client(config) as client:
         urls = [url for urls in config.servers().values() for url in urls]
         await wait_until_healthy(client, [normalize_url(url) for url in urls], config.health)
+        prober = not isinstance(ledger, MachineLedger) or ledger.row == PROBER_ROW
+        kube = credentials(config) if prober else None
         async with trio.open_nursery() as nursery:
-            seat = (ledger, listen_fd, metrics_fd)
+            seat = (ledger, listen_fd, metrics_fd, kube)
             await _run(
                 config, client, nursery, shutdown_trigger, exit_by_deadline, seat, task_status
             )
@@ -272,12 +277,13 @@ async def _run(
     nursery: trio.Nursery,
     shutdown_trigger: Callable[[], Awaitable[None]] | None,
     exit_by_deadline: bool,
-    seat: tuple[LoadLedger | None, int | None, int | None],
+    seat: tuple[LoadLedger | None, int | None, int | None, Credentials | None],
     task_status: trio.TaskStatus[RunningRouter],
 ) -> None:
     """The router over ``client``, its background work in ``nursery``, until shutdown;
-    ``seat`` is a worker's (ledger, listen_fd, metrics_fd), all None for a single process."""
-    ledger, listen_fd, metrics_fd = seat
+    ``seat`` is a worker's (ledger, listen_fd, metrics_fd), all None for a single process, and
+    the Kubernetes credentials of the machine's one pod watcher."""
+    ledger, listen_fd, metrics_fd, kube = seat
     hc = hypercorn_config(config)
     if listen_fd is not None:
         hc.bind = [f"fd://{listen_fd}"]
@@ -296,6 +302,8 @@ async def _run(
         await nursery.start(app.health.run, client)
     if app.peers is not None:
         await nursery.start(_sync_cluster, config.cluster, app)
+    if kube is not None:
+        await nursery.start(follow_pods, config, kube, app.fleet, app.metrics.registry, nursery)
     metrics_url = None
     if config.prometheus_port is not None:
         metrics_binds: list[str] = await nursery.start(
