@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 
 from . import (
+    caps,
     cluster,
     kv_aware,
     memory,
@@ -56,6 +57,7 @@ SCENARIOS: dict[str, tuple[Callable[[Context], dict[str, Any]], Callable[[str], 
     "cluster": (cluster.run, cluster.estimate),
     "workers": (workers.run, workers.estimate),
     "kv_aware": (kv_aware.run, kv_aware.estimate),
+    "caps": (caps.run, caps.estimate),
 }
 
 
