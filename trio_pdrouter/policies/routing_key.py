@@ -10,6 +10,7 @@ two requests that share a prompt share a key whatever their settings.
   per token. Token prompts start with ``\\x02`` so they never match a text prompt.
 * ``messages``: each message contributes ``<|role|>`` followed by its string content, or by the
   ``text`` of its ``{"type": "text"}`` parts; other parts (images, audio) are skipped.
+* ``prompt_tokens``, ``output_tokens``: the token estimates of :mod:`trio_pdrouter.weights`.
 * ``hash_key``: the first non-empty header of ``X-Session-ID``, ``X-User-ID``, ``X-Tenant-ID``
   (any case), then the body's ``session_id`` (string or integer), then ``user`` (string only).
 
@@ -20,13 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ..weights import TOKEN_MARK, output_tokens, prompt_tokens
 from ._base import RoutingKey
 
 __all__ = ["HASH_KEY_HEADERS", "routing_key", "routing_text"]
 
 HASH_KEY_HEADERS = ("x-session-id", "x-user-id", "x-tenant-id")
 
-_TOKEN_MARK = "\x02"
 _SURROGATES = 0xD800
 _SURROGATE_SPAN = 0x800
 _MAX_TOKEN = 0x10FFFF - _SURROGATE_SPAN
@@ -39,7 +40,7 @@ def _token_text(tokens: list[object]) -> str | None:
         if type(tok) is not int or not 0 <= tok <= _MAX_TOKEN:
             return None
         chars.append(chr(tok if tok < _SURROGATES else tok + _SURROGATE_SPAN))
-    return _TOKEN_MARK + "".join(chars)
+    return TOKEN_MARK + "".join(chars)
 
 
 def _prompt_text(prompt: object) -> str:
@@ -111,6 +112,12 @@ def routing_key(body: Mapping[str, object], headers: Mapping[str, str]) -> Routi
     """The :class:`RoutingKey` of a parsed request body and its headers (see the module doc).
 
     >>> routing_key({"prompt": "hi", "user": "u1"}, {"X-Session-ID": "s9"})
-    RoutingKey(text='hi', hash_key='s9')
+    RoutingKey(text='hi', hash_key='s9', prompt_tokens=1, output_tokens=256)
     """
-    return RoutingKey(text=routing_text(body), hash_key=_hash_key(body, headers))
+    text = routing_text(body)
+    return RoutingKey(
+        text=text,
+        hash_key=_hash_key(body, headers),
+        prompt_tokens=prompt_tokens(text),
+        output_tokens=output_tokens(body),
+    )
