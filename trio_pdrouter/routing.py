@@ -65,7 +65,8 @@ class Routing:
         ledger: LoadLedger,
         admits: Sequence[Admits],
         peers: PeerLoads | None,
-        by_tokens: Collection[Role] = (),
+        *,
+        by_tokens: Collection[Role],
     ) -> None:
         self._ledger = ledger
         self._peers = peers
