@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from trio_pdrouter.endpoints import Endpoint, Role
 from trio_pdrouter.load import LoadLedger
 from trio_pdrouter.policies import PolicySettings, RoutingKey, make_policy
@@ -90,3 +92,18 @@ def test_cache_aware_by_tokens_leaves_its_cached_endpoint_when_tokens_are_unbala
         # By tokens the short prompt is computed elsewhere rather than queued behind 16k tokens;
         # by requests the loads look balanced and affinity queues it there.
         assert chosen == (other if by_tokens else hot)
+
+
+def test_default_metrics_are_tokens_on_prefill_and_requests_elsewhere() -> None:
+    from trio_pdrouter.cli import parse_config
+
+    pd = ["--vllm-pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://d:1"]
+    assert parse_config(pd).token_roles() == [Role.PREFILL]
+    both = [Role.PREFILL, Role.DECODE]
+    assert parse_config([*pd, "--load-metric", "tokens"]).token_roles() == both
+    assert parse_config([*pd, "--load-metric", "requests"]).token_roles() == []
+    swapped = [*pd, "--decode-load-metric", "tokens", "--prefill-load-metric", "requests"]
+    assert parse_config(swapped).token_roles() == [Role.DECODE]
+    assert parse_config(["--worker-urls", "http://w:1"]).token_roles() == []
+    with pytest.raises(SystemExit):
+        parse_config([*pd, "--load-metric", "bytes"])

@@ -84,24 +84,26 @@ class PolicySettings:
         ),
     )
     balance_token_threshold: int = setting(
-        8192,
+        0,
         Flag(
             "--balance-token-threshold",
             Group.ROUTING_POLICY,
-            "cache_aware with --load-metric tokens: --balance-abs-threshold in tokens (the"
-            " relative threshold is --balance-rel-threshold)",
+            "cache_aware on a stage whose load metric is tokens: --balance-abs-threshold in"
+            " tokens (the loads include the request's own uncached tokens, so the least loaded"
+            " candidate is already the cheapest including cache hits)",
             type=int,
         ),
         check=must(lambda n: n >= 0, "must be 0 or more"),
     )
-    load_metric: str = setting(
-        "requests",
+    load_metric: str | None = setting(
+        None,
         Flag(
             "--load-metric",
             Group.ROUTING_POLICY,
-            "the load power_of_two, cache_aware and the least-loaded choice compare: in-flight"
-            " requests, or their token weights (prefill: uncached prompt tokens; decode: prompt"
-            " + max_tokens)",
+            "the load power_of_two, cache_aware and the least-loaded choice compare on every"
+            " stage: in-flight requests, or their token weights (prefill: uncached prompt"
+            " tokens; decode: prompt + max_tokens). Default: tokens on prefill, requests on"
+            " decode and regular workers (measured: README)",
             choices=LOAD_METRICS,
         ),
     )
@@ -174,12 +176,15 @@ class PolicySettings:
     virtual_nodes: int = 160
 
     def stage_load_metric(self, stage: str) -> str:
-        """The load metric of ``stage`` ("prefill", "decode" or "regular")."""
+        """The load metric of ``stage`` ("prefill", "decode" or "regular"): its own flag, else
+        ``--load-metric``, else tokens for prefill and requests for the others."""
         if stage == "prefill" and self.prefill_load_metric:
             return self.prefill_load_metric
         if stage == "decode" and self.decode_load_metric:
             return self.decode_load_metric
-        return self.load_metric
+        if self.load_metric:
+            return self.load_metric
+        return "tokens" if stage == "prefill" else "requests"
 
 
 #: Told ``(stage, reason)`` for every decision of a policy that has reasons (the router counts
