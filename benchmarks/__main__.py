@@ -2,7 +2,7 @@
 
 Scenarios run in order of importance: routing (4), paced (2, token-paced relay cost against
 the floor), overhead (1), relay (2b, coalesced), memory (3), radix_tree (5), cluster (6),
-workers (7), mixed (8, token-weighted load). Each writes
+workers (7), caps (memory caps), mixed (8, token-weighted load). Each writes
 ``benchmarks/results/<date>-<scenario>.json``; then ``benchmarks/report.md`` is rebuilt from
 the newest result of every scenario. Process logs (routers, simulators, load generators) go to
 a fresh temporary directory, printed at the start.
@@ -23,7 +23,19 @@ from typing import Any
 
 import orjson
 
-from . import cluster, memory, mixed, overhead, paced, radix_tree, relay, report, routing, workers
+from . import (
+    caps,
+    cluster,
+    memory,
+    mixed,
+    overhead,
+    paced,
+    radix_tree,
+    relay,
+    report,
+    routing,
+    workers,
+)
 from .common import Context, Progress
 
 
@@ -45,6 +57,7 @@ SCENARIOS: dict[str, tuple[Callable[[Context], dict[str, Any]], Callable[[str], 
     "radix_tree": (_radix, _radix_estimate),
     "cluster": (cluster.run, cluster.estimate),
     "workers": (workers.run, workers.estimate),
+    "caps": (caps.run, caps.estimate),
     "mixed": (mixed.run, mixed.estimate),
 }
 
