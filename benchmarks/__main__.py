@@ -2,9 +2,10 @@
 
 Scenarios run in order of importance: routing (4), paced (2, token-paced relay cost against
 the floor), overhead (1), relay (2b, coalesced), memory (3), radix_tree (5), cluster (6),
-workers (7). Each writes ``benchmarks/results/<date>-<scenario>.json``; then
-``benchmarks/report.md`` is rebuilt from the newest result of every scenario. Process logs
-(routers, simulators, load generators) go to a fresh temporary directory, printed at the start.
+workers (7), caps (memory caps), mixed (8, token-weighted load). Each writes
+``benchmarks/results/<date>-<scenario>.json``; then ``benchmarks/report.md`` is rebuilt from
+the newest result of every scenario. Process logs (routers, simulators, load generators) go to
+a fresh temporary directory, printed at the start.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from . import (
     cluster,
     kv_aware,
     memory,
+    mixed,
     overhead,
     paced,
     radix_tree,
@@ -58,6 +60,7 @@ SCENARIOS: dict[str, tuple[Callable[[Context], dict[str, Any]], Callable[[str], 
     "workers": (workers.run, workers.estimate),
     "kv_aware": (kv_aware.run, kv_aware.estimate),
     "caps": (caps.run, caps.estimate),
+    "mixed": (mixed.run, mixed.estimate),
 }
 
 

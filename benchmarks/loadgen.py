@@ -51,10 +51,18 @@ class Workload:
             _text(random.Random(1000 + g), prefix_chars, f"[group {g}] ")
             for g in range(self.hot + self.cold)
         ]
+        self.long_share: float = args.long_share
+        self.long_prefixes = [
+            _text(random.Random(5000 + g), args.long_prefix_chars, f"[long {g}] ")
+            for g in range(args.long_groups)
+        ]
         self.counter = 0
 
     def prompt(self) -> str:
         self.counter += 1
+        if self.long_prefixes and self.rng.random() < self.long_share:
+            long_prefix = self.rng.choice(self.long_prefixes)
+            return long_prefix + _text(self.rng, self.suffix_chars, f" q{self.counter} ")
         if not self.prefixes:
             return _text(self.rng, self.suffix_chars, f"q{self.counter} ")
         if self.cold == 0 or (self.hot and self.rng.random() < self.hot_share):
@@ -230,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hot-groups", type=int, default=0, help="prefix groups that are hot")
     p.add_argument("--cold-groups", type=int, default=0, help="prefix groups that are cold")
     p.add_argument("--hot-share", type=float, default=0.0, help="share of hot-group traffic")
+    p.add_argument("--long-share", type=float, default=0.0, help="share of long prompts")
+    p.add_argument("--long-groups", type=int, default=0, help="prefix groups of long prompts")
+    p.add_argument("--long-prefix-chars", type=int, default=0, help="long prompts' prefix")
     p.add_argument("--suffix-chars", type=int, default=64, help="unique part of every prompt")
     p.add_argument("--api-key", default=None, help="send Authorization: Bearer KEY")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout")

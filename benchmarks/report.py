@@ -28,6 +28,7 @@ SCENARIOS = (
     "cluster",
     "workers",
     "caps",
+    "mixed",
 )
 
 
@@ -521,6 +522,21 @@ def _workers(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _mixed(data: dict[str, Any]) -> list[str]:
+    """Scenario 8: token-weighted load, mixed prompt lengths (see benchmarks/mixed.py)."""
+    out = ["## 8. Token-weighted load: mixed prompt lengths", ""]
+    for workload, rows in data["workloads"].items():
+        out += [f"**{workload}**", ""]
+        out += ["| router | req/s | TTFT p50 ms | TTFT p99 ms | failed |", "|---|---|---|---|---|"]
+        for label, row in rows.items():
+            out.append(
+                f"| {label} | {row['req_per_s']:.1f} | {row['ttft_p50_ms']:.0f} |"
+                f" {row['ttft_p99_ms']:.0f} | {row['failed']:.0f} |"
+            )
+        out.append("")
+    return out
+
+
 def write_report(command: str) -> Path:
     """Regenerate ``report.md`` and the charts from the newest results of each scenario."""
     parts: list[str] = [
@@ -556,6 +572,8 @@ def write_report(command: str) -> Path:
             parts += _workers(data)
         elif scenario == "caps":
             parts += _caps(data)
+        elif scenario == "mixed":
+            parts += _mixed(data)
         else:
             parts += _radix(data)
     parts += ["Sources: " + ", ".join(sources), ""]

@@ -25,6 +25,8 @@ from .cluster import eventually, held_streams, start_cluster
 from .test_integration_pd import COMPLETION
 
 URL = "http://decode:8200"
+#: "Once upon a time " * 20 at 4 characters a token.
+PROMPT_TOKENS = 85
 
 
 def exposition(per_engine: dict[str, tuple[int, int]], model: str = "m") -> str:
@@ -57,9 +59,26 @@ def test_parse_the_simulators_own_exposition() -> None:
 
     state = SimState(SimConfig.fast(port=0, dp_size=3))
     assert parse_engine_loads(state.metrics_text()) == {
-        "0": EngineLoad(0, 0),
-        "1": EngineLoad(0, 0),
-        "2": EngineLoad(0, 0),
+        "0": EngineLoad(0, 0, 0),
+        "1": EngineLoad(0, 0, 0),
+        "2": EngineLoad(0, 0, 0),
+    }
+
+
+def test_parse_turns_kv_usage_into_tokens_with_the_cache_config() -> None:
+    text = exposition({"0": (1, 0), "1": (2, 0)}) + (
+        'vllm:kv_cache_usage_perc{engine="0"} 0.25\n'
+        'vllm:kv_cache_usage_perc{engine="1"} 0.5\n'
+        'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0\n'
+        'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="200"} 1.0\n'
+    )
+    loads = parse_engine_loads(text)
+    assert loads == {"0": EngineLoad(1, 0, 400), "1": EngineLoad(2, 0, 1600)}
+    whole = endpoint_loads([Endpoint(URL, Role.DECODE)], loads)
+    assert whole == {URL: EngineLoad(3, 0, 2000)}
+    # Without the cache config the usage cannot be converted: no token figure.
+    assert parse_engine_loads(exposition({"0": (1, 0)}) + "vllm:kv_cache_usage_perc 0.5\n") == {
+        "0": EngineLoad(1, 0)
     }
 
 
@@ -241,6 +260,11 @@ async def test_drift_is_zero_while_50_streams_run_on_real_simulators() -> None:
             assert {k: loads["engine"][k] for k in decode_keys} == loads["decode"]
             assert set(loads["drift"]) == decode_keys | set(loads["prefill"])
             assert all(d == 0 for d in loads["drift"].values()), loads["drift"]
+            # Tokens: each stream weighs prompt + max_tokens on decode, an upper bound of the
+            # KV the engines hold, so the token drift is never negative.
+            assert sum(loads["tokens"]["decode"].values()) == 50 * (PROMPT_TOKENS + 400)
+            assert set(loads["engine_tokens"]) >= decode_keys
+            assert all(loads["token_drift"][k] >= 0 for k in decode_keys), loads["token_drift"]
             metrics = (await c.client.get(c.url + "/metrics")).text
             for key in decode_keys:
                 assert f'trio_pdrouter_load_drift{{endpoint="{key}"}} 0.0' in metrics
@@ -276,7 +300,7 @@ async def test_engine_truth_off_leaves_get_loads_as_it_was() -> None:
     async with trio.open_nursery() as nursery:
         c = await start_cluster(nursery, engine_metrics_interval=0)
         assert c.router.app.engine_truth is None
-        assert set(await c.get_loads()) == {"prefill", "decode"}
+        assert set(await c.get_loads()) == {"prefill", "decode", "tokens"}
         nursery.cancel_scope.cancel()
 
 

@@ -640,10 +640,21 @@ class LifecycleMachine(RuleBasedStateMachine):
         snapshot = self.app.ledger.snapshot()
         open_calls = Counter(c.endpoint for c in self.calls if c.open)
         in_prefill = sum(1 for c in self.calls if c.open and c.stage == "prefill")
+        open_stranded = Counter(c.endpoint for c in self.calls if c.open and c.stranded)
+        tokens = self.app.ledger.token_snapshot()
+        state = self._describe()
         for role, counts in snapshot.items():
             for key, n in counts.items():
                 assert n >= 0, f"{role} load of {key} is negative: {snapshot}"
-        state = self._describe()
+                # A token weight moves with its slot: every request is "a b" (1 prompt token,
+                # no cache share under round_robin) with max_tokens 3, so each prefill slot
+                # weighs 1 and each decode or worker slot 1 + 3.
+                # A reclaim of stranded KV weighs 1 + 1 (one token generated).
+                reclaims = open_stranded[key] if role == "decode" else 0
+                per_slot = 1 if role == "prefill" else 4
+                weight = tokens[role][key]
+                expected = (n - reclaims) * per_slot + reclaims * 2
+                assert weight == expected, f"{role} {key}: {n} slots weigh {weight} {state}"
         for key, n in snapshot.get("prefill", {}).items():
             assert n == open_calls[key], f"prefill {key}: ledger {n}, open calls {state}"
         for key, n in snapshot.get("regular", {}).items():
@@ -760,6 +771,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def check_everything_released(self) -> None:
         snapshot = self.app.ledger.snapshot()
         assert self.app.ledger.total() == 0, snapshot
+        assert self.app.ledger.token_total() == 0, self.app.ledger.token_snapshot()
         assert not self.app.proxy.in_flight, "the router still serves requests after shutdown"
         for c in self.calls:
             assert not c.open, f"call {c.number} still open after shutdown: {self._describe()}"

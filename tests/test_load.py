@@ -26,6 +26,35 @@ def test_lease_charges_at_once_and_releases_each_endpoint_once() -> None:
     assert ledger.total() == 0
 
 
+def test_token_weights_move_with_their_slots_and_return_to_zero() -> None:
+    ledger = LoadLedger([*P, *D])
+    a = ledger.lease(P[0], D[0], pending=(D[0],), tokens={P[0]: 300, D[0]: 428})
+    b = ledger.lease(D[0], tokens={D[0]: 16_128})
+    assert ledger.token_load(P[0]) == 300 and ledger.token_load(D[0]) == 16_556
+    a.sent(D[0])  # sending moves no weight
+    assert ledger.token_load(D[0]) == 16_556
+    a.release(P[0])
+    a.release(P[0])
+    assert ledger.token_load(P[0]) == 0 and ledger.load(P[0]) == 0
+    b.release_all()
+    assert ledger.token_snapshot()["decode"]["http://d:1@0"] == 428
+    with a:
+        pass
+    assert ledger.token_total() == 0 and ledger.total() == 0
+    with pytest.raises(ValueError, match="0 or more"):
+        ledger.lease(D[1], tokens={D[1]: -1})
+    assert ledger.total() == 0, "a refused lease charges nothing"
+
+
+def test_a_retired_endpoint_forgets_its_tokens_with_its_count() -> None:
+    ledger = LoadLedger(D)
+    lease = ledger.lease(D[0], tokens={D[0]: 50})
+    ledger.forget_when_idle(D[0])
+    assert ledger.token_load(D[0]) == 50
+    lease.release_all()
+    assert ledger.token_load(D[0]) == 0 and "http://d:1@0" not in ledger.token_snapshot()["decode"]
+
+
 def test_snapshot_is_grouped_by_role_with_url_at_rank_keys() -> None:
     ledger = LoadLedger([*P, *D, Endpoint("http://w:1", Role.REGULAR)])
     ledger.lease(D[2])
@@ -104,12 +133,14 @@ class LedgerMachine(RuleBasedStateMachine):
         self.ledger = LoadLedger([*P, *D])
         self.model: dict[int, list[Endpoint]] = {}
         self.pending: dict[int, list[Endpoint]] = {}
+        self.weights: dict[int, dict[Endpoint, int]] = {}
 
-    @rule(target=leases, p=st.sampled_from(P), d=st.sampled_from(D))
-    def open_pd(self, p: Endpoint, d: Endpoint) -> Lease:
-        lease = self.ledger.lease(p, d, pending=(d,))
+    @rule(target=leases, p=st.sampled_from(P), d=st.sampled_from(D), weight=st.integers(0, 9999))
+    def open_pd(self, p: Endpoint, d: Endpoint, weight: int) -> Lease:
+        lease = self.ledger.lease(p, d, pending=(d,), tokens={p: weight, d: weight + 7})
         self.model[id(lease)] = [p, d]
         self.pending[id(lease)] = [d]
+        self.weights[id(lease)] = {p: weight, d: weight + 7}
         return lease
 
     @rule(lease=leases, which=st.sampled_from([*P, *D]))
@@ -121,8 +152,9 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @rule(target=leases, d=st.sampled_from(D))
     def open_regular(self, d: Endpoint) -> Lease:
-        lease = self.ledger.lease(d)
+        lease = self.ledger.lease(d)  # no weights given: 0 tokens
         self.model[id(lease)] = [d]
+        self.weights[id(lease)] = {}
         return lease
 
     @rule(lease=leases, which=st.sampled_from([*P, *D]))
@@ -156,6 +188,12 @@ class LedgerMachine(RuleBasedStateMachine):
             assert self.ledger.load(ep) == expected >= 0
             unsent = sum(p.count(ep) for p in self.pending.values())
             assert self.ledger.visible(ep) == expected - unsent >= 0
+            tokens = sum(
+                self.weights[lease].get(ep, 0) * held.count(ep)
+                for lease, held in self.model.items()
+            )
+            assert self.ledger.token_load(ep) == tokens >= 0
+        assert self.ledger.token_total() == sum(self.ledger.token_load(ep) for ep in [*P, *D])
 
     def teardown(self) -> None:
         for held in self.model.values():

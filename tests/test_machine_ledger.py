@@ -122,6 +122,8 @@ class MachineLedgerMachine(RuleBasedStateMachine):
         self.ledgers: list[MachineLedger] = []
         # the model: per worker, the lease -> (endpoints held, endpoints pending)
         self.held: list[dict[int, tuple[set[Endpoint], set[Endpoint]]]] = []
+        # and the token weight each lease charged each endpoint with
+        self.weights: dict[int, dict[Endpoint, int]] = {}
         self.generation = [0] * WORKERS
 
     @initialize()
@@ -149,10 +151,12 @@ class MachineLedgerMachine(RuleBasedStateMachine):
     )
     def charge(self, row: int, eps: list[Endpoint], data: st.DataObject) -> tuple[int, int, Lease]:
         pending = set(data.draw(st.lists(st.sampled_from(eps), unique=True)))
+        weights = {ep: data.draw(st.integers(0, 40_000)) for ep in eps}
         ledger = self.ledgers[row]
         with ledger.charging():
-            lease = ledger.lease(*eps, pending=pending)
+            lease = ledger.lease(*eps, pending=pending, tokens=weights)
         self.held[row][id(lease)] = (set(eps), pending)
+        self.weights[id(lease)] = weights
         return row, self.generation[row], lease
 
     @rule(held=leases, data=st.data())
@@ -184,21 +188,24 @@ class MachineLedgerMachine(RuleBasedStateMachine):
         self.table.zero_row(row)
         self._start(row)
 
-    def _model(self, ep: Endpoint) -> tuple[int, int]:
-        count = pending = 0
+    def _model(self, ep: Endpoint) -> tuple[int, int, int]:
+        count = pending = tokens = 0
         for worker in self.held:
-            for eps, pend in worker.values():
+            for lease, (eps, pend) in worker.items():
                 count += ep in eps
                 pending += ep in pend
-        return count, pending
+                tokens += self.weights[lease][ep] if ep in eps else 0
+        return count, pending, tokens
 
     @invariant()
     def every_worker_reads_the_model(self) -> None:
         for ep in EPS:
-            count, pending = self._model(ep)
+            count, pending, tokens = self._model(ep)
             for ledger in self.ledgers:
                 assert ledger.load(ep) == count >= 0
                 assert ledger.visible(ep) == count - pending >= 0
+                assert ledger.token_load(ep) == tokens >= 0
+                assert count or not tokens
         for row, ledger in enumerate(self.ledgers):
             for ep in EPS:
                 own = sum(ep in eps for eps, _ in self.held[row].values())
@@ -234,7 +241,7 @@ def test_another_worker_chooses_only_once_a_charging_worker_has_charged(
         on_decision=lambda stage, reason: None,
         rng=random.Random(0),
     )
-    routing_b = Routing({Role.DECODE: policy}, b, (), None)
+    routing_b = Routing({Role.DECODE: policy}, b, (), None, by_tokens=())
     routing_b.set_endpoints(Role.DECODE, D)
     chosen: list[Endpoint] = []
 

@@ -99,7 +99,7 @@ def test_routing_chooses_on_own_plus_peer_counts_and_charges_only_its_own_ledger
         on_decision=lambda stage, reason: None,
         rng=random.Random(0),
     )
-    routing = Routing({Role.DECODE: policy}, ledger, (), peers)
+    routing = Routing({Role.DECODE: policy}, ledger, (), peers, by_tokens=())
     routing.set_endpoints(Role.DECODE, [A, B])
     with ledger.lease(B):  # locally B is busier ...
         peers.update({"r2": {"decode": {B.key: 0, A.key: 5}}})  # ... but a peer loads A

@@ -33,8 +33,12 @@ class View:
         self.indexes[ep.url].apply([event])
 
 
-def make(view: View | None, seed: int = 0, **overrides: float) -> KvAware:
-    given: dict[str, float] = {"balance_abs_threshold": 32, "balance_rel_threshold": 1.5}
+def make(view: View | None, seed: int = 0, **overrides: object) -> KvAware:
+    given: dict[str, object] = {
+        "balance_abs_threshold": 32,
+        "balance_rel_threshold": 1.5,
+        "load_metric": "requests",
+    }
     settings = PolicySettings(**{**given, **overrides})  # type: ignore[arg-type]
     reasons: list[str] = []
     policy = KvAware(
@@ -59,6 +63,17 @@ def test_the_engine_holding_the_longest_prefix_wins_over_a_little_load() -> None
     loads = {EPS[0]: 0, EPS[1]: 5, EPS[2]: 0}
     assert policy.choose(EPS, loads, KEY) == EPS[1]
     assert policy.last.blocks == 6 and policy.last.known and policy.last.reason == "kv_hit"
+
+
+def test_with_token_loads_a_hit_wins_unless_the_queue_is_longer_than_the_prompt() -> None:
+    view = View()
+    view.store(EPS[1], 6)  # 6 of the prompt's 8 blocks
+    policy = make(view, load_metric="tokens")
+    key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
+    # 20 tokens more queued than the others: less than the 24 cached tokens save.
+    assert policy.choose(EPS, {EPS[0]: 100, EPS[1]: 120, EPS[2]: 100}, key) == EPS[1]
+    # A queue longer than the whole prompt outweighs any hit.
+    assert policy.choose(EPS, {EPS[0]: 100, EPS[1]: 140, EPS[2]: 100}, key) != EPS[1]
 
 
 def test_an_evicted_prefix_earns_nothing() -> None:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from trio_pdrouter.policies import RoutingKey, routing_key
 from trio_pdrouter.policies.routing_key import routing_text
+from trio_pdrouter.weights import DEFAULT_OUTPUT_TOKENS
 
 
 def test_prompt_forms() -> None:
@@ -48,4 +49,17 @@ def test_hash_key_order() -> None:
     assert routing_key({"user": "usr"}, {}).hash_key == "usr"
     assert routing_key({"session_id": 42, "user": "usr"}, {}).hash_key == "42"
     assert routing_key({"user": {"id": 1}}, {}).hash_key is None
-    assert routing_key({"prompt": '"user": "sneaky"'}, {}) == RoutingKey('"user": "sneaky"', None)
+    sneaky = routing_key({"prompt": '"user": "sneaky"'}, {})
+    assert (sneaky.text, sneaky.hash_key) == ('"user": "sneaky"', None)
+
+
+def test_token_estimates_are_exact_for_ids_and_chars_over_four_for_text() -> None:
+    assert routing_key({"prompt": [5, 6, 7], "max_tokens": 9}, {}).prompt_tokens == 3
+    batch = routing_key({"prompt": [[5, 6], [10, 11, 12]]}, {})
+    assert batch.prompt_tokens == 5 and batch.output_tokens == DEFAULT_OUTPUT_TOKENS
+    assert routing_key({"prompt": "x" * 4001}, {}).prompt_tokens == 1001
+    caps = {"messages": [], "max_tokens": 90, "max_completion_tokens": 30}
+    assert routing_key(caps, {}).output_tokens == 30
+    assert routing_key({"prompt": "", "max_tokens": True}, {}) == RoutingKey(
+        "", None, 0, DEFAULT_OUTPUT_TOKENS
+    )

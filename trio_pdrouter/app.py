@@ -262,10 +262,13 @@ class RouterApp:
         loads: dict[str, Any] = {
             role.value: self.ledger.by_role(role) for role in self.routing.roles
         }
+        loads["tokens"] = self.ledger.token_snapshot()  # token weights, beside the counts
         truth = self.engine_truth
         if truth is not None:  # beside the integer maps, so existing readers are unaffected
             loads["engine"] = truth.engine_totals()
             loads["drift"] = dict(truth.drift)
+            loads["engine_tokens"] = truth.engine_tokens()
+            loads["token_drift"] = dict(truth.token_drift)
         if self.peers is not None:
             loads["cluster"] = cluster_view(self.ledger.snapshot(), self.peers)
         await _reply(send, Reply.json(orjson.dumps(loads)))

@@ -401,6 +401,11 @@ class RouterConfig:
             return self.decode_policy
         return self.policy
 
+    def token_roles(self) -> list[Role]:
+        """The roles whose load metric is ``tokens``."""
+        metric = self.policy_settings.stage_load_metric
+        return [role for role in self.servers() if metric(role.value) == "tokens"]
+
     def servers(self) -> dict[Role, tuple[str, ...]]:
         """The server URLs of each role of this mode, as given."""
         if self.pd:

@@ -18,6 +18,13 @@ lowest and highest load the ledger had during the window, and records::
 Both appear in ``GET /get_loads`` (top-level ``"engine"`` and ``"drift"`` maps keyed like the
 load maps) and as ``trio_pdrouter_engine_requests`` / ``trio_pdrouter_load_drift``.
 
+Tokens too, where the engine tells them: ``vllm:kv_cache_usage_perc`` times the blocks and block
+size of ``vllm:cache_config_info`` (``num_gpu_blocks``, ``block_size`` labels) is the KV tokens
+it holds, in ``"engine_tokens"``; ``"token_drift"`` is the router's token weight on the endpoint
+at the end of the scrape minus that. The router's weight is an upper bound by design (a decode
+slot weighs prompt + ``max_tokens`` from the start, and a PENDING one is not on the engine yet),
+so a positive token drift is expected; a persistently negative one is the alarm.
+
 Drift that persists is a leak somewhere: the router, an engine, or another router replica sending
 to the same engine. The router side is the ledger's *visible* load: a decode slot charged at
 choice whose prefill is still running is PENDING (see :mod:`trio_pdrouter.load`) and left out,
@@ -51,6 +58,8 @@ MAX_SCRAPE_BYTES = 16 * 1024 * 1024
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+CACHE_CONFIG = "vllm:cache_config_info"
 
 
 @attrs.frozen
@@ -59,6 +68,8 @@ class EngineLoad:
 
     running: int
     waiting: int
+    #: KV tokens held (KV usage x blocks x block size), None when the engine does not say.
+    kv_tokens: int | None = None
 
     @property
     def total(self) -> int:
@@ -77,24 +88,36 @@ def parse_engine_loads(text: str) -> dict[str | None, EngineLoad]:
     """
     # Only the two series are parsed: a vLLM exposition has hundreds of lines of histograms,
     # and the text parser costs tens of microseconds per line.
-    wanted = [line for line in text.splitlines() if _is_sample_of(line, RUNNING, WAITING)]
+    lines = text.splitlines()
+    wanted = [line for line in lines if _is_sample_of(line, RUNNING, WAITING)]
     if not wanted:
         raise ScrapeError(f"no {RUNNING} or {WAITING} series")
-    running: dict[str | None, float] = {}
-    waiting: dict[str | None, float] = {}
+    wanted += [line for line in lines if _is_sample_of(line, KV_USAGE, CACHE_CONFIG)]
+    series: dict[str, dict[str | None, float]] = {RUNNING: {}, WAITING: {}, KV_USAGE: {}}
+    capacity: dict[str | None, int] = {}
     try:
         families = list(text_string_to_metric_families("\n".join(wanted) + "\n"))
-    except ValueError as exc:
+        for family in families:
+            for sample in family.samples:
+                engine = sample.labels.get("engine")
+                if sample.name == CACHE_CONFIG:
+                    labels = sample.labels
+                    capacity[engine] = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+                elif sample.name in series:
+                    into = series[sample.name]
+                    into[engine] = into.get(engine, 0.0) + sample.value
+    except (ValueError, KeyError) as exc:
         raise ScrapeError(f"malformed metrics: {exc}") from None
-    for family in families:
-        into = running if family.name == RUNNING else waiting
-        for sample in family.samples:
-            engine = sample.labels.get("engine")
-            into[engine] = into.get(engine, 0.0) + sample.value
-    return {
-        engine: EngineLoad(round(running.get(engine, 0.0)), round(waiting.get(engine, 0.0)))
-        for engine in running.keys() | waiting.keys()
-    }
+    running, waiting, usage = series[RUNNING], series[WAITING], series[KV_USAGE]
+    out: dict[str | None, EngineLoad] = {}
+    for engine in running.keys() | waiting.keys():
+        tokens = capacity.get(engine, capacity.get(None))
+        share = usage.get(engine)
+        kv = None if tokens is None or share is None else round(share * tokens)
+        out[engine] = EngineLoad(
+            round(running.get(engine, 0.0)), round(waiting.get(engine, 0.0)), kv
+        )
+    return out
 
 
 def _is_sample_of(line: str, *names: str) -> bool:
@@ -115,8 +138,11 @@ def endpoint_loads(
     out: dict[str, EngineLoad] = {}
     for ep in endpoints:
         if ep.rank is None:
+            kv = [e.kv_tokens for e in engines.values()]
             out[ep.key] = EngineLoad(
-                sum(e.running for e in engines.values()), sum(e.waiting for e in engines.values())
+                sum(e.running for e in engines.values()),
+                sum(e.waiting for e in engines.values()),
+                None if None in kv else sum(k for k in kv if k is not None),
             )
         elif (load := engines.get(str(ep.rank))) is not None:
             out[ep.key] = load
@@ -149,10 +175,16 @@ class EngineTruth:
         self.engine: dict[str, EngineLoad] = {}
         #: endpoint key -> the router's load minus the engine's at that scrape (see above)
         self.drift: dict[str, int] = {}
+        #: endpoint key -> the router's token weight minus the engine's KV tokens (see above)
+        self.token_drift: dict[str, int] = {}
 
     def engine_totals(self) -> dict[str, int]:
         """Endpoint key -> running + waiting, as ``/get_loads`` shows it."""
         return {key: load.total for key, load in self.engine.items()}
+
+    def engine_tokens(self) -> dict[str, int]:
+        """Endpoint key -> KV tokens the engine holds, where it tells."""
+        return {k: load.kv_tokens for k, load in self.engine.items() if load.kv_tokens is not None}
 
     async def run(self) -> None:
         """Scrape every upstream every ``interval`` seconds, forever."""
@@ -220,6 +252,11 @@ class EngineTruth:
             drift = window.drift(by_key[key], load.total)
             self.engine[key] = load
             self.drift[key] = drift
+            if load.kv_tokens is None:
+                self.token_drift.pop(key, None)
+            else:
+                weight = sum(self._ledger.token_load(ep) for ep in by_key[key])
+                self.token_drift[key] = weight - load.kv_tokens
             if self._metrics is not None:
                 self._metrics.engine_seen(key, load.running, load.waiting, drift)
 
@@ -255,6 +292,7 @@ class EngineTruth:
     def _forget(self, key: str) -> None:
         self.engine.pop(key, None)
         self.drift.pop(key, None)
+        self.token_drift.pop(key, None)
         if self._metrics is not None:
             self._metrics.engine_unknown(key)
 

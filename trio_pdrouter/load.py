@@ -1,4 +1,4 @@
-"""The load ledger: how many requests each endpoint is serving, exactly, at every instant.
+"""The load ledger: how many requests, and how many tokens, each endpoint is serving, exactly.
 
 Rules of this module (everything that changes a counter lives here):
 
@@ -18,12 +18,21 @@ Rules of this module (everything that changes a counter lives here):
   ``Lease.__exit__``/``__aexit__`` release every slot not yet RELEASED and do so before any
   await, so no exception or cancellation can leave a slot charged once the ``with`` block is
   left, and no path can release twice.
+* Beside each count the ledger keeps a token weight (:meth:`LoadLedger.token_load`): each held
+  slot carries the weight it was leased with (the request's estimated tokens on that endpoint,
+  see :mod:`.weights`), added when the slot is charged and subtracted when it is RELEASED, in the
+  same call as the count. So a weight moves exactly when its count does, and both return to 0
+  together; PENDING changes neither.
+* Every change goes through ``_change`` (and ``_sent``), which ends in the ``_record`` hook:
+  a subclass that mirrors the ledger elsewhere (the machine ledger's shared row) overrides only
+  that hook.
 * The ledger is never reset by timers or health checks; an endpoint removed from routing keeps its
   counter until its last lease is released, so an in-flight request always releases what it took.
 
 Theory of operation for a PD request (SPEC §5)::
 
-    lease = ledger.lease(prefill_ep, decode_ep, pending=(decode_ep,))  # chosen and charged
+    lease = ledger.lease(prefill_ep, decode_ep, pending=(decode_ep,),  # chosen and charged
+                         tokens={prefill_ep: uncached_prompt, decode_ep: prompt + max_tokens})
     async with lease:
         ...prefill leg...; lease.release(prefill_ep)   # body read, failed or cancelled
         lease.sent(decode_ep)                          # the decode leg goes out
@@ -34,7 +43,7 @@ Theory of operation for a PD request (SPEC §5)::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from types import TracebackType
 
@@ -52,6 +61,7 @@ class LoadLedger:
     def __init__(self, endpoints: Iterable[Endpoint] = ()) -> None:
         self._counts: dict[Endpoint, int] = {ep: 0 for ep in endpoints}
         self._pending: dict[Endpoint, int] = {}
+        self._tokens: dict[Endpoint, int] = {}
         self._observers: list[Observer] = []
         self._visible_observers: list[Observer] = []
         self._idle_waiters: dict[Endpoint, trio.Event] = {}
@@ -101,6 +111,23 @@ class LoadLedger:
     def total(self) -> int:
         return sum(self._counts.values())
 
+    def token_load(self, endpoint: Endpoint) -> int:
+        """The token weight of every slot held on ``endpoint``."""
+        return self._tokens.get(endpoint, 0)
+
+    def token_loads(self, endpoints: Iterable[Endpoint]) -> dict[Endpoint, int]:
+        return {ep: self.token_load(ep) for ep in endpoints}
+
+    def token_total(self) -> int:
+        return sum(self.token_load(ep) for ep in self._counts)
+
+    def token_snapshot(self) -> dict[str, dict[str, int]]:
+        """:meth:`snapshot`'s shape with token weights instead of counts."""
+        out: dict[str, dict[str, int]] = {}
+        for ep in self._counts:
+            out.setdefault(ep.role.value, {})[ep.key] = self.token_load(ep)
+        return out
+
     def snapshot(self) -> dict[str, dict[str, int]]:
         """``{"prefill": {key: n}, "decode": {...}}`` (or ``"regular"``), as ``/get_loads``."""
         out: dict[str, dict[str, int]] = {}
@@ -116,23 +143,36 @@ class LoadLedger:
         at a time and the step has no checkpoint); the machine ledger takes its lock here."""
         return _NOTHING_TO_HOLD
 
-    def lease(self, *endpoints: Endpoint, pending: Iterable[Endpoint] = ()) -> Lease:
+    def lease(
+        self,
+        *endpoints: Endpoint,
+        pending: Iterable[Endpoint] = (),
+        tokens: Mapping[Endpoint, int] | None = None,
+    ) -> Lease:
         """Charge each endpoint now and return the lease that will release them.
 
         Endpoints also named in ``pending`` start PENDING: charged, their request not yet sent.
+        ``tokens`` gives an endpoint's token weight (0 when absent); a negative one is refused.
         """
         pending = [ep for ep in pending if ep in endpoints]
-        for ep in endpoints:
-            self._change(ep, +1, pending=ep in pending)
-        return Lease(self, endpoints, pending)
+        weights = [0 if tokens is None else tokens.get(ep, 0) for ep in endpoints]
+        if any(w < 0 for w in weights):
+            raise ValueError(f"token weights must be 0 or more: {weights}")
+        for ep, weight in zip(endpoints, weights, strict=True):
+            self._change(ep, +1, weight, pending=ep in pending)
+        return Lease(self, endpoints, pending, weights)
 
-    def _change(self, endpoint: Endpoint, delta: int, *, pending: bool = False) -> None:
+    def _change(self, endpoint: Endpoint, delta: int, tokens: int, *, pending: bool) -> None:
+        """One slot charged (``delta`` +1, ``tokens`` its weight) or released (-1, -weight)."""
         n = self._counts.get(endpoint, 0) + delta
-        if n < 0:  # pragma: no cover - a broken invariant, not a runtime condition
-            raise AssertionError(f"load of {endpoint} would go negative")
+        weight = self._tokens.get(endpoint, 0) + tokens
+        if n < 0 or weight < 0 or (n == 0 and weight):  # pragma: no cover - a broken invariant
+            raise AssertionError(f"load of {endpoint} would be {n} requests, {weight} tokens")
         self._counts[endpoint] = n
+        self._tokens[endpoint] = weight
         if pending:
             self._pending[endpoint] = self._pending.get(endpoint, 0) + delta
+        self._record(endpoint, delta, delta if pending else 0, tokens)
         if n == 0:
             if endpoint in self._idle_waiters:
                 self._idle_waiters.pop(endpoint).set()
@@ -140,14 +180,21 @@ class LoadLedger:
                 self._retired.discard(endpoint)
                 del self._counts[endpoint]
                 self._pending.pop(endpoint, None)
-        for observer in self._observers:
-            observer(endpoint, n)
+                self._tokens.pop(endpoint, None)
+        if self._observers:
+            load = self.load(endpoint)
+            for observer in self._observers:
+                observer(endpoint, load)
         if not pending:
             self._notify_visible(endpoint)
 
     def _sent(self, endpoint: Endpoint) -> None:
         self._pending[endpoint] -= 1
+        self._record(endpoint, 0, -1, 0)
         self._notify_visible(endpoint)
+
+    def _record(self, endpoint: Endpoint, count: int, pending: int, tokens: int) -> None:
+        """Told every change (deltas) after this ledger applied it; mirrors override it."""
 
     def _notify_visible(self, endpoint: Endpoint) -> None:
         if self._visible_observers:
@@ -160,20 +207,27 @@ _NOTHING_TO_HOLD = contextlib.nullcontext()
 
 
 class Lease:
-    """The right to one unit of load on each of a few endpoints, released exactly once each.
+    """The right to one unit of load (and its token weight) on each of a few endpoints,
+    released exactly once each.
 
     Use it as a (sync or async) context manager so that leaving the block releases whatever is
     still held; release individual endpoints earlier with :meth:`release` as their legs end.
     """
 
-    __slots__ = ("_held", "_ledger", "_pending")
+    __slots__ = ("_held", "_ledger", "_pending", "_weights")
 
     def __init__(
-        self, ledger: LoadLedger, endpoints: Iterable[Endpoint], pending: Iterable[Endpoint] = ()
+        self,
+        ledger: LoadLedger,
+        endpoints: Iterable[Endpoint],
+        pending: Iterable[Endpoint],
+        weights: Iterable[int],
     ) -> None:
         self._ledger = ledger
         self._held: list[Endpoint] = list(endpoints)
         self._pending: list[Endpoint] = list(pending)
+        #: The token weight of each held slot, in ``_held``'s order.
+        self._weights: list[int] = list(weights)
 
     def sent(self, endpoint: Endpoint) -> None:
         """PENDING -> CHARGED: the request to ``endpoint`` is going out now."""
@@ -184,13 +238,15 @@ class Lease:
     def release(self, endpoint: Endpoint) -> None:
         """PENDING/CHARGED -> RELEASED for ``endpoint``; a no-op if it was already released."""
         try:
-            self._held.remove(endpoint)
+            at = self._held.index(endpoint)
         except ValueError:
             return
+        del self._held[at]
+        weight = self._weights.pop(at)
         pending = endpoint in self._pending
         if pending:
             self._pending.remove(endpoint)
-        self._ledger._change(endpoint, -1, pending=pending)
+        self._ledger._change(endpoint, -1, -weight, pending=pending)
 
     def release_all(self) -> None:
         while self._held:

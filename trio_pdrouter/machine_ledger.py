@@ -4,9 +4,11 @@ Rules of this module:
 
 * :class:`MachineLedger` is a :class:`~trio_pdrouter.load.LoadLedger` whose every change is also
   written to this worker's row of the :class:`~trio_pdrouter.machine_table.MachineTable`, and
-  whose every read (``load``, ``loads``, ``visible``, ``total``, ``snapshot``, ``by_role``) is
-  the sum over all rows: the machine's load, whichever worker is asked. Leases, the slot states
-  and the exactly-once release are the base class's, unchanged.
+  whose every read (``load``, ``loads``, ``visible``, ``total``, ``snapshot``, ``by_role``, and
+  the token weights: ``token_load`` and what builds on it) is the sum over all rows: the
+  machine's load, whichever worker is asked. Leases, the slot states, the exactly-once release
+  and the order of a change are the base class's: this class only overrides ``_record``, which
+  writes each change's deltas (count, pending, tokens) to the worker's row.
 * :meth:`MachineLedger.charging` is the machine lock. Routing holds it over choose-and-charge;
   releases take no lock: a release only lowers a cell of the worker's own row, and a chooser that
   reads the cell just before it chooses from a load one too high, never too low.
@@ -23,7 +25,7 @@ from contextlib import AbstractContextManager
 
 from .endpoints import Endpoint, Role
 from .load import LoadLedger
-from .machine_table import COUNT, PENDING, MachineTable
+from .machine_table import COUNT, PENDING, TOKENS, MachineTable
 
 
 def slot_key(endpoint: Endpoint) -> str:
@@ -79,6 +81,10 @@ class MachineLedger(LoadLedger):
     def total(self) -> int:
         return sum(self.load(ep) for ep in self._counts)
 
+    def token_load(self, endpoint: Endpoint) -> int:
+        slot = self._slots.get(endpoint)
+        return 0 if slot is None else self._table.total(slot, TOKENS)
+
     def snapshot(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
         for ep in self._counts:
@@ -94,34 +100,15 @@ class MachineLedger(LoadLedger):
 
     # -- this worker's row ---------------------------------------------------------------------
 
-    def _change(self, endpoint: Endpoint, delta: int, *, pending: bool = False) -> None:
-        own = self._counts.get(endpoint, 0) + delta
-        if own < 0:  # pragma: no cover - a broken invariant, not a runtime condition
-            raise AssertionError(f"load of {endpoint} would go negative")
+    def _record(self, endpoint: Endpoint, count: int, pending: int, tokens: int) -> None:
         slot = self._slots.get(endpoint)
         if slot is None:  # an endpoint leased without add_endpoint (tests, a removed server)
             self.add_endpoint(endpoint)
             slot = self._slots[endpoint]
-        self._counts[endpoint] = own
-        self._table.add(self._row, slot, COUNT, delta)
+        table, row = self._table, self._row
+        if count:
+            table.add(row, slot, COUNT, count)
         if pending:
-            self._pending[endpoint] = self._pending.get(endpoint, 0) + delta
-            self._table.add(self._row, slot, PENDING, delta)
-        if own == 0:
-            if endpoint in self._idle_waiters:
-                self._idle_waiters.pop(endpoint).set()
-            if endpoint in self._retired:  # removed while busy: forgotten at its last release
-                self._retired.discard(endpoint)
-                del self._counts[endpoint]
-                self._pending.pop(endpoint, None)
-        if self._observers:
-            n = self.load(endpoint)
-            for observer in self._observers:
-                observer(endpoint, n)
-        if not pending:
-            self._notify_visible(endpoint)
-
-    def _sent(self, endpoint: Endpoint) -> None:
-        self._pending[endpoint] -= 1
-        self._table.add(self._row, self._slots[endpoint], PENDING, -1)
-        self._notify_visible(endpoint)
+            table.add(row, slot, PENDING, pending)
+        if tokens:
+            table.add(row, slot, TOKENS, tokens)

@@ -9,10 +9,10 @@ Rules of this module (the layout and the only code that reads or writes it):
       changes  LOG_ENTRIES x ENTRY_BYTES: the runtime server changes, in order (utf-8 text)
       cells    rows x slots x columns int64
 
-  A slot is one endpoint; its columns are :data:`COUNT` and :data:`PENDING` (what
-  :class:`~trio_pdrouter.load.LoadLedger` keeps per endpoint) and spare columns for later
-  per-endpoint figures (token weights). Every worker finds an endpoint's slot by its key, so
-  workers agree on columns whatever order they learn of endpoints in.
+  A slot is one endpoint; its columns are :data:`COUNT`, :data:`PENDING` and :data:`TOKENS`
+  (what :class:`~trio_pdrouter.load.LoadLedger` keeps per endpoint). Every worker finds an
+  endpoint's slot by its key, so workers agree on columns whatever order they learn of
+  endpoints in.
 * Each worker writes only its own row, so a cell has one writer and needs no atomic add; readers
   sum a column over the rows. The supervisor zeroes a dead worker's row (:meth:`zero_row`)
   before its replacement starts, so a crash never leaves a phantom charge.
@@ -46,7 +46,9 @@ LOG_ENTRIES = 1024
 COUNT, PENDING = 0, 1
 #: In a URL's own slot ("health URL"), in the prober's row: the health verdict it published.
 VERDICT = 2
-DEFAULT_COLUMNS = 4  # COUNT, PENDING and two spare (token-weight columns of a later issue)
+#: The token weight of the slots held (see :mod:`trio_pdrouter.load`).
+TOKENS = 3
+DEFAULT_COLUMNS = 4  # COUNT, PENDING, VERDICT (health slots only), TOKENS
 
 
 #: Blocks this process created (and whose unlinking it owns).

@@ -92,14 +92,15 @@ class PromptTokens:
         cached = self._cache.get(raw)
         if cached is not None:
             self._cache.move_to_end(raw)
-            return attrs.evolve(key, tokens=cached)
+            return attrs.evolve(key, tokens=cached, prompt_tokens=len(cached))
         tokens = await self._ask(raw)
         if tokens is None:
             return key
         self._cache[raw] = tokens
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
-        return attrs.evolve(key, tokens=tokens)
+        # The engine's count replaces the estimate from the text (the token weight uses it).
+        return attrs.evolve(key, tokens=tokens, prompt_tokens=len(tokens))
 
     async def _ask(self, raw: bytes) -> tuple[int, ...] | None:
         servers = self._servers()

@@ -9,22 +9,40 @@ the policies see this replica's exact counts plus the peers' latest snapshots, r
 (:class:`~.peers.PeerLoads`), so choosing stays synchronous.
 Both hold ``ledger.charging()`` over the step: with ``--workers N`` that is the machine lock, so
 arrivals in other workers see it too.
+
+Every charge carries the request's token weight on the endpoint chosen (:mod:`.weights`):
+prefill, the prompt tokens that endpoint is not expected to hold (a policy that keeps a prefix
+tree tells the characters cached per candidate, synchronously: :class:`HoldsPrefixes`); decode and
+regular, prompt + output tokens. A stage whose load metric is ``tokens`` gives its policy, for
+each candidate, the token weight in flight there plus this request's weight there: the load it
+would have if chosen. Peers' loads are counts, so they are added in the ``requests`` metric only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Protocol, runtime_checkable
 
 from .endpoints import Endpoint, Role
 from .load import Lease, LoadLedger
 from .peers import PeerLoads
 from .policies import KvDecision, Policy, RoutingKey
+from .weights import uncached
 
 
 class NoHealthyEndpoint(Exception):
     def __init__(self, role: Role) -> None:
         super().__init__(f"no healthy {role.value} endpoint")
         self.role = role
+
+
+@runtime_checkable
+class HoldsPrefixes(Protocol):
+    """A policy that knows which prefixes each endpoint probably holds (``cache_aware``)."""
+
+    def held_chars(self, candidates: Sequence[Endpoint], text: str) -> Mapping[Endpoint, int]:
+        """How many leading characters of ``text`` each candidate probably holds cached."""
+        ...
 
 
 #: Extra admission test per endpoint (health, circuit breaker); True = may take traffic.
@@ -36,8 +54,9 @@ class Routing:
 
     ``policies`` names the roles of this mode (prefill and decode, or regular); ``admits`` are
     the checks every candidate must pass; ``peers``, when given, adds the other replicas' loads
-    to this one's in every choice (charges still go to this replica's ledger only). The endpoint
-    lists start empty and change only through :meth:`set_endpoints`, which the fleet calls.
+    to this one's in every choice (charges still go to this replica's ledger only);
+    ``by_tokens`` names the roles whose load metric is tokens. The endpoint lists start empty and
+    change only through :meth:`set_endpoints`, which the fleet calls.
     """
 
     def __init__(
@@ -46,9 +65,15 @@ class Routing:
         ledger: LoadLedger,
         admits: Sequence[Admits],
         peers: PeerLoads | None,
+        *,
+        by_tokens: Collection[Role],
     ) -> None:
         self._ledger = ledger
         self._peers = peers
+        self._by_tokens = frozenset(by_tokens)
+        self._prefixes = {
+            role: policy for role, policy in policies.items() if isinstance(policy, HoldsPrefixes)
+        }
         self._policies = dict(policies)
         self._admits = tuple(admits)
         self._endpoints: dict[Role, tuple[Endpoint, ...]] = {role: () for role in policies}
@@ -74,15 +99,41 @@ class Routing:
     def choose(self, role: Role, key: RoutingKey, avoid_urls: Collection[str] = ()) -> Endpoint:
         """Ask the stage's policy; servers in ``avoid_urls`` (failed in an earlier attempt) are
         skipped while any other candidate remains."""
+        return self._choose(role, key, avoid_urls)[0]
+
+    def _choose(
+        self, role: Role, key: RoutingKey, avoid_urls: Collection[str]
+    ) -> tuple[Endpoint, int]:
+        """The endpoint chosen and the token weight to charge it with."""
         candidates = self.candidates(role)
         if avoid_urls:
             candidates = [ep for ep in candidates if ep.url not in avoid_urls] or candidates
         if not candidates:
             raise NoHealthyEndpoint(role)
-        loads = self._ledger.loads(candidates)
-        if self._peers is not None:
-            loads = self._peers.add_to(loads)
-        return self._policies[role].choose(candidates, loads, key)
+        weights = self.weights(role, candidates, key)
+        loads: Mapping[Endpoint, int]
+        if role in self._by_tokens:
+            tokens = self._ledger.token_loads(candidates)
+            loads = {ep: tokens[ep] + weights[ep] for ep in candidates}
+        else:
+            loads = self._ledger.loads(candidates)
+            if self._peers is not None:
+                loads = self._peers.add_to(loads)
+        chosen = self._policies[role].choose(candidates, loads, key)
+        return chosen, weights[chosen]
+
+    def weights(
+        self, role: Role, candidates: Sequence[Endpoint], key: RoutingKey
+    ) -> dict[Endpoint, int]:
+        """The token weight this request would put on each candidate (see the module doc)."""
+        if role is not Role.PREFILL:
+            return dict.fromkeys(candidates, key.prompt_tokens + key.output_tokens)
+        holder = self._prefixes.get(role)
+        if holder is None or not key.text:
+            return dict.fromkeys(candidates, key.prompt_tokens)
+        held = holder.held_chars(candidates, key.text)
+        chars = len(key.text)
+        return {ep: uncached(key.prompt_tokens, held[ep], chars) for ep in candidates}
 
     def lease_pd(
         self, key: RoutingKey, avoid_urls: Collection[str] = ()
@@ -90,18 +141,20 @@ class Routing:
         """Choose a prefill and a decode endpoint and charge both (SPEC §5: decode is charged
         before prefill starts, so concurrent arrivals see it)."""
         with self._ledger.charging():
-            prefill = self.choose(Role.PREFILL, key, avoid_urls)
-            decode = self.choose(Role.DECODE, key, avoid_urls)
+            prefill, prefill_tokens = self._choose(Role.PREFILL, key, avoid_urls)
+            decode, decode_tokens = self._choose(Role.DECODE, key, avoid_urls)
             # Decode is PENDING until its leg is sent: charged (policies see it) but not yet
             # visible to the engine (engine truth leaves it out).
-            return self._ledger.lease(prefill, decode, pending=(decode,)), prefill, decode
+            tokens = {prefill: prefill_tokens, decode: decode_tokens}
+            lease = self._ledger.lease(prefill, decode, pending=(decode,), tokens=tokens)
+            return lease, prefill, decode
 
     def lease_one(
         self, role: Role, key: RoutingKey, avoid_urls: Collection[str] = ()
     ) -> tuple[Lease, Endpoint]:
         with self._ledger.charging():
-            endpoint = self.choose(role, key, avoid_urls)
-            return self._ledger.lease(endpoint), endpoint
+            endpoint, weight = self._choose(role, key, avoid_urls)
+            return self._ledger.lease(endpoint, tokens={endpoint: weight}), endpoint
 
     def kv_note(self, role: Role) -> str | None:
         """What the ``kv_aware`` policy of ``role`` saw in its last decision (None for other

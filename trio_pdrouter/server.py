@@ -155,6 +155,7 @@ def build_app(
         ledger,
         (health.is_healthy, lambda ep: breakers.admits(ep, trio.current_time())),
         peers,
+        by_tokens=config.token_roles(),
     )
     machine = None
     if isinstance(ledger, MachineLedger):

@@ -55,8 +55,9 @@ class KvReclaimer:
         inf = req.inf
         content = orjson.dumps(pd.stranded_decode_body(inf.body, req.kv_params, inf.path))
         headers = pd.upstream_headers(inf.headers, attempt.request_id, ep, self._upstream_api_key)
-        # Charged now, synchronously: the engine is about to run this request.
-        lease = self._ledger.lease(ep)
+        # Charged now, synchronously: the engine is about to run this request, pulling the
+        # prompt's KV blocks to generate one token.
+        lease = self._ledger.lease(ep, tokens={ep: inf.key.prompt_tokens + 1})
         try:
             self._background.start_soon(self._pull, ep, ep.url + inf.path, content, headers, lease)
         except RuntimeError:  # shutting down: the background nursery is closed

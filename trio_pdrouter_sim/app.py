@@ -14,6 +14,7 @@ Routes:
 ``GET /v1/models``         the one served model
 ``GET /metrics``           Prometheus text: ``vllm:num_requests_running``,
                            ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
+                           ``vllm:cache_config_info`` (block_size, num_gpu_blocks),
                            ... labelled ``model_name`` and ``engine`` (DP rank)
 ``POST /v1/completions``   vLLM completions, streaming or not
 ``POST /v1/chat/completions``  vLLM chat completions, streaming or not
@@ -238,6 +239,16 @@ class SimState:
             for engine in self.engines:
                 labels = f'model_name="{model}",engine="{engine.rank}"'
                 lines.append(f"{name}{{{labels}}} {float(value(engine))}")
+        # vLLM's info gauge of the cache config: with it, KV usage converts to tokens.
+        cfg = self.config
+        lines.append("# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig")
+        lines.append("# TYPE vllm:cache_config_info gauge")
+        for engine in self.engines:
+            labels = (
+                f'block_size="{cfg.block_size}",engine="{engine.rank}",'
+                f'num_gpu_blocks="{cfg.num_gpu_blocks}"'
+            )
+            lines.append(f"vllm:cache_config_info{{{labels}}} 1.0")
         return "\n".join(lines) + "\n"
 
 

@@ -14,6 +14,7 @@ import attrs
 
 from ..endpoints import Endpoint
 from ..flags import Flag, Group, must, positive, setting
+from ..weights import LOAD_METRICS
 
 
 @attrs.frozen
@@ -24,6 +25,8 @@ class RoutingKey:
     serialised JSON with sampling parameters). ``hash_key`` is the session identity that
     ``consistent_hash`` uses (from ``X-Session-ID``/``X-User-ID``/``X-Tenant-ID`` headers, then the
     body's ``session_id``/``user``); ``None`` when the request carries none.
+    ``prompt_tokens`` and ``output_tokens`` are the request's token estimates (see
+    :mod:`trio_pdrouter.weights`), from which routing computes the token weight it charges.
     :func:`trio_pdrouter.policies.routing_key` builds one from a parsed body and its headers.
     ``tokens`` are the prompt's token ids as the engine sees them, when known (a token-id
     prompt, or the engine's ``/tokenize`` answer when ``kv_aware`` asked for it); ``None``
@@ -32,6 +35,8 @@ class RoutingKey:
 
     text: str = ""
     hash_key: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
     tokens: tuple[int, ...] | None = None
 
 
@@ -80,6 +85,48 @@ class PolicySettings:
             Group.ROUTING_POLICY,
             "cache_aware: see --balance-abs-threshold",
             type=float,
+        ),
+    )
+    balance_token_threshold: int = setting(
+        0,
+        Flag(
+            "--balance-token-threshold",
+            Group.ROUTING_POLICY,
+            "cache_aware on a stage whose load metric is tokens: --balance-abs-threshold in"
+            " tokens (the loads include the request's own uncached tokens, so the least loaded"
+            " candidate is already the cheapest including cache hits)",
+            type=int,
+        ),
+        check=must(lambda n: n >= 0, "must be 0 or more"),
+    )
+    load_metric: str | None = setting(
+        None,
+        Flag(
+            "--load-metric",
+            Group.ROUTING_POLICY,
+            "the load power_of_two, cache_aware and the least-loaded choice compare on every"
+            " stage: in-flight requests, or their token weights (prefill: uncached prompt"
+            " tokens; decode: prompt + max_tokens). Default: tokens on prefill, requests on"
+            " decode and regular workers (measured: README)",
+            choices=LOAD_METRICS,
+        ),
+    )
+    prefill_load_metric: str | None = setting(
+        None,
+        Flag(
+            "--prefill-load-metric",
+            Group.ROUTING_POLICY,
+            "override --load-metric for prefill",
+            choices=LOAD_METRICS,
+        ),
+    )
+    decode_load_metric: str | None = setting(
+        None,
+        Flag(
+            "--decode-load-metric",
+            Group.ROUTING_POLICY,
+            "override --load-metric for decode",
+            choices=LOAD_METRICS,
         ),
     )
     eviction_interval_secs: float = setting(
@@ -132,6 +179,17 @@ class PolicySettings:
     )
     virtual_nodes: int = 160
 
+    def stage_load_metric(self, stage: str) -> str:
+        """The load metric of ``stage`` ("prefill", "decode" or "regular"): its own flag, else
+        ``--load-metric``, else tokens for prefill and requests for the others."""
+        if stage == "prefill" and self.prefill_load_metric:
+            return self.prefill_load_metric
+        if stage == "decode" and self.decode_load_metric:
+            return self.decode_load_metric
+        if self.load_metric:
+            return self.load_metric
+        return "tokens" if stage == "prefill" else "requests"
+
 
 #: Told ``(stage, reason)`` for every decision of a policy that has reasons (the router counts
 #: them in ``trio_pdrouter_policy_decisions_total``).
@@ -151,8 +209,9 @@ class Policy(Protocol):
     ) -> Endpoint:
         """Pick one of ``candidates`` (non-empty, all healthy and admitted by their breakers).
 
-        ``loads`` holds the ledger's count for every candidate. Ties must not always go to the
-        first candidate.
+        ``loads`` holds every candidate's load in the stage's metric: the ledger's count, or
+        (``--load-metric tokens``) its token weight with this request's weight added. Ties must
+        not always go to the first candidate.
         """
         ...
 

@@ -11,6 +11,11 @@ Per decision, over the candidates' ledger loads (SPEC §7, vllm-router compatibl
   otherwise the least-loaded candidate does;
 * empty routing text: the least-loaded candidate.
 
+The loads are the stage's ``--load-metric``: request counts, or token weights, in which case
+``--balance-token-threshold`` stands for ``balance_abs_threshold``.
+:meth:`CacheAware.held_chars` tells routing, per candidate, how much of a text the tree
+expects it to hold, from which the prefill's token weight is estimated (:mod:`..weights`).
+
 The text is then inserted under the chosen endpoint, so the tree follows where prompts went.
 :meth:`CacheAware.maintain` trims every endpoint to ``max_tree_size`` characters (least recently
 used first) and :meth:`CacheAware.set_endpoints` forgets endpoints that left the stage.
@@ -64,6 +69,14 @@ class CacheAware:
         self.tree: RadixTree[Endpoint] = RadixTree()
         self._endpoints: frozenset[Endpoint] = frozenset()
         self._on_decision = on_decision
+        tokens = settings.stage_load_metric(stage) == "tokens"
+        self._abs_threshold = (
+            settings.balance_token_threshold if tokens else settings.balance_abs_threshold
+        )
+
+    def held_chars(self, candidates: Sequence[Endpoint], text: str) -> dict[Endpoint, int]:
+        """How many leading characters of ``text`` each candidate is expected to hold cached."""
+        return self.tree.match_each(text, frozenset(candidates))
 
     def choose(
         self, candidates: Sequence[Endpoint], loads: Mapping[Endpoint, int], key: RoutingKey
@@ -72,7 +85,7 @@ class CacheAware:
         values = [loads.get(c, 0) for c in candidates]
         max_load, min_load = max(values), min(values)
         is_unbalanced = (
-            max_load - min_load > s.balance_abs_threshold
+            max_load - min_load > self._abs_threshold
             and max_load > min_load * s.balance_rel_threshold
         )
         text = key.text

@@ -14,7 +14,10 @@ Per decision, over the candidates:
   loss the index is cleared and then holds only blocks stored since, whose removes are all
   seen, so it may miss blocks but never shows one the engine dropped.
 * score = hit - (load - min_load) / (``--balance-abs-threshold`` + 1): a load difference as
-  large as the balance threshold costs as much as a whole cached prompt. With
+  large as the balance threshold costs as much as a whole cached prompt. When the stage's load
+  metric is tokens (``--load-metric``; prefill's default), loads are tokens in flight and the
+  unbalanced shortcut is not taken: score = hit - (load - min_load) / prompt tokens, so a
+  queue longer than the whole prompt outweighs any hit (both are tokens of prefill work). With
   ``--router-temperature`` 0 the best score wins (ties at random); above 0 the choice is drawn
   with probabilities softmax(score / temperature).
 
@@ -81,6 +84,7 @@ class KvAware:
         self._on_decision = on_decision
         self._view = view
         self.estimate = CacheAware(settings, rng, stage=stage, on_decision=lambda _s, _r: None)
+        self._by_tokens = settings.stage_load_metric(stage) == "tokens"
         self.last = KvDecision(0, 0, False, "none")
 
     def choose(
@@ -90,9 +94,11 @@ class KvAware:
         values = [loads.get(c, 0) for c in candidates]
         max_load, min_load = max(values), min(values)
         unbalanced = (
-            max_load - min_load > s.balance_abs_threshold
+            not self._by_tokens
+            and max_load - min_load > s.balance_abs_threshold
             and max_load > min_load * s.balance_rel_threshold
         )
+        scale = max(key.prompt_tokens, 1) if self._by_tokens else s.balance_abs_threshold + 1
         view = self._view
         if view is None or key.tokens is None:
             chosen = self.estimate.choose(candidates, loads, key)
@@ -109,7 +115,7 @@ class KvAware:
         for candidate, load in zip(candidates, values, strict=True):
             hit, blocks, known = self._hit(candidate, key, keys)
             seen.append((blocks, known))
-            scores.append(hit - (load - min_load) / (s.balance_abs_threshold + 1))
+            scores.append(hit - (load - min_load) / scale)
         index = self._pick(scores)
         chosen = candidates[index]
         self._remember(key, chosen)

@@ -160,6 +160,28 @@ class RadixTree(Generic[T]):
         owners = stamps if eligible is None else [t for t in stamps if t in eligible]
         return matched, max(owners, key=stamps.__getitem__)
 
+    def match_each(self, text: str, eligible: AbstractSet[T]) -> dict[T, int]:
+        """For each ``eligible`` tenant, the length of the longest prefix of ``text`` it owns
+        (0 when none): one walk down the text's path, each tenant's figure set at the deepest
+        node it owns. Does not refresh any stamp."""
+        out = dict.fromkeys(eligible, 0)
+        node = self._root
+        pos = 0
+        end = len(text)
+        while pos < end:
+            child = node.children.get(text[pos])
+            if child is None or eligible.isdisjoint(child.stamps):
+                break
+            k = _common_len(child.label, text, pos)
+            for tenant in child.stamps:
+                if tenant in out:
+                    out[tenant] = pos + k
+            if k < len(child.label):
+                break
+            node = child
+            pos += k
+        return out
+
     # -- updates -----------------------------------------------------------------------------
 
     def insert(self, text: str, tenant: T) -> None:

@@ -10,6 +10,7 @@ two requests that share a prompt share a key whatever their settings.
   per token. Token prompts start with ``\\x02`` so they never match a text prompt.
 * ``messages``: each message contributes ``<|role|>`` followed by its string content, or by the
   ``text`` of its ``{"type": "text"}`` parts; other parts (images, audio) are skipped.
+* ``prompt_tokens``, ``output_tokens``: the token estimates of :mod:`trio_pdrouter.weights`.
 * ``hash_key``: the first non-empty header of ``X-Session-ID``, ``X-User-ID``, ``X-Tenant-ID``
   (any case), then the body's ``session_id`` (string or integer), then ``user`` (string only).
 
@@ -22,13 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ..weights import TOKEN_MARK, output_tokens, prompt_tokens
 from ._base import RoutingKey
 
-__all__ = ["HASH_KEY_HEADERS", "prompt_tokens", "routing_key", "routing_text"]
+__all__ = ["HASH_KEY_HEADERS", "prompt_token_ids", "routing_key", "routing_text"]
 
 HASH_KEY_HEADERS = ("x-session-id", "x-user-id", "x-tenant-id")
 
-_TOKEN_MARK = "\x02"
 _SURROGATES = 0xD800
 _SURROGATE_SPAN = 0x800
 _MAX_TOKEN = 0x10FFFF - _SURROGATE_SPAN
@@ -41,7 +42,7 @@ def _token_text(tokens: list[object]) -> str | None:
         if type(tok) is not int or not 0 <= tok <= _MAX_TOKEN:
             return None
         chars.append(chr(tok if tok < _SURROGATES else tok + _SURROGATE_SPAN))
-    return _TOKEN_MARK + "".join(chars)
+    return TOKEN_MARK + "".join(chars)
 
 
 def _prompt_text(prompt: object) -> str:
@@ -117,7 +118,7 @@ def _int_tokens(given: object) -> tuple[int, ...] | None:
     return None
 
 
-def prompt_tokens(body: Mapping[str, object]) -> tuple[int, ...] | None:
+def prompt_token_ids(body: Mapping[str, object]) -> tuple[int, ...] | None:
     """The token ids of a token-id prompt (``prompt`` or ``token_ids``), else ``None``."""
     if "prompt" in body:
         return _int_tokens(body["prompt"])
@@ -130,8 +131,13 @@ def routing_key(body: Mapping[str, object], headers: Mapping[str, str]) -> Routi
     """The :class:`RoutingKey` of a parsed request body and its headers (see the module doc).
 
     >>> routing_key({"prompt": "hi", "user": "u1"}, {"X-Session-ID": "s9"})
-    RoutingKey(text='hi', hash_key='s9', tokens=None)
+    RoutingKey(text='hi', hash_key='s9', prompt_tokens=1, output_tokens=256, tokens=None)
     """
+    text = routing_text(body)
     return RoutingKey(
-        text=routing_text(body), hash_key=_hash_key(body, headers), tokens=prompt_tokens(body)
+        text=text,
+        hash_key=_hash_key(body, headers),
+        prompt_tokens=prompt_tokens(text),
+        output_tokens=output_tokens(body),
+        tokens=prompt_token_ids(body),
     )
