@@ -22,7 +22,7 @@ from .app import RouterApp
 from .breaker import Breakers
 from .cluster_sync import ClusterSync, connect, exchange_timeout
 from .config import ClusterSettings, RouterConfig
-from .endpoints import normalize_url
+from .endpoints import Role, normalize_url
 from .engine_truth import EngineTruth
 from .fleet import Fleet, MachineServers
 from .health import HealthBoard
@@ -33,6 +33,7 @@ from .machine_ledger import MachineLedger
 from .metrics import MetricsApp, RouterMetrics
 from .peers import PeerLoads
 from .policies import make_policy
+from .prefix_ring import PrefixFeed
 from .proxy import Proxy
 from .rate_limit import TokenBucket
 from .relay import DecodeRelay
@@ -140,6 +141,14 @@ def build_app(
         on_change=lambda ep, old, new: metrics.breaker_state(ep.key, new),
     )
     rng = random.Random()
+
+    def feed(role: Role) -> PrefixFeed | None:
+        """With ``--workers N``: the machine's prefix rings, so every worker's tree learns all."""
+        if not isinstance(ledger, MachineLedger):
+            return None
+        table = ledger.table
+        return PrefixFeed(table.prefixes, table.rows, ledger.row, role.value)
+
     policies = {
         role: make_policy(
             config.stage_policy(role),
@@ -147,6 +156,7 @@ def build_app(
             settings=config.policy_settings,
             on_decision=metrics.policy_decision,
             rng=rng,
+            feed=feed(role),
         )
         for role in config.servers()
     }

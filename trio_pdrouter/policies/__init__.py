@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from ..endpoints import Endpoint
 from ._base import DecisionObserver, Policy, PolicySettings, RoutingKey
-from .cache_aware import CacheAware
+from .cache_aware import CacheAware, InsertFeed
 from .consistent_hash import ConsistentHash
 from .power_of_two import PowerOfTwo
 from .radix_tree import RadixTree
@@ -20,6 +20,7 @@ __all__ = [
     "CacheAware",
     "ConsistentHash",
     "DecisionObserver",
+    "InsertFeed",
     "Policy",
     "PolicySettings",
     "PowerOfTwo",
@@ -42,13 +43,15 @@ def make_policy(
     on_decision: DecisionObserver,
     endpoints: Sequence[Endpoint] = (),
     rng: _random.Random | None = None,
+    feed: InsertFeed | None = None,
 ) -> Policy:
     """Build the policy called ``name`` for one stage over ``endpoints``.
 
     ``stage`` ("prefill", "decode" or "regular") labels the policy's log lines and decisions;
     ``on_decision`` is told ``(stage, reason)`` for every decision of a policy that gives
     reasons (``cache_aware``); ``rng`` is the only source of randomness (pass a seeded one for
-    reproducible tests).
+    reproducible tests); ``feed`` shares ``cache_aware``'s prefix-tree inserts with the
+    machine's other workers (``--workers N``).
     """
     rng = rng or _random.Random()
     policy: Policy
@@ -61,7 +64,7 @@ def make_policy(
     elif name == "consistent_hash":
         policy = ConsistentHash(rng, virtual_nodes=settings.virtual_nodes)
     elif name == "cache_aware":
-        policy = CacheAware(settings, rng, stage=stage, on_decision=on_decision)
+        policy = CacheAware(settings, rng, stage=stage, on_decision=on_decision, feed=feed)
     else:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
     policy.set_endpoints(endpoints)
