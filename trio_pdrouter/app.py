@@ -239,6 +239,7 @@ class RouterApp:
         if truth is not None:  # beside the integer maps, so existing readers are unaffected
             loads["engine"] = truth.engine_totals()
             loads["drift"] = dict(truth.drift)
+            loads["drift_of"] = truth.drift_of
         if self.peers is not None:
             loads["cluster"] = cluster_view(self.ledger.snapshot(), self.peers)
         await _reply(send, Reply.json(orjson.dumps(loads)))

@@ -229,7 +229,7 @@ def build_app(
     truth = None
     if config.engine_metrics_interval > 0 and prober:
         truth = EngineTruth(
-            fleet.endpoints, ledger, client, config.engine_metrics_interval, metrics
+            fleet.endpoints, ledger, client, config.engine_metrics_interval, metrics, peers
         )
     return RouterApp(
         config,
