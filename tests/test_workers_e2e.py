@@ -222,3 +222,28 @@ async def test_runtime_server_changes_reach_every_worker_and_every_replacement()
         await eventually(lambda: every_answer_lists(False))
         assert await stop_supervisor(sup) == 0
         nursery.cancel_scope.cancel()
+
+
+def _exited(pid: int) -> bool:
+    """The process is gone or a zombie (its new parent may not reap it at once)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+async def test_workers_stop_when_their_supervisor_is_killed() -> None:
+    async with trio.open_nursery() as nursery:
+        sims = await start_sims(nursery)
+        sup = await start_supervisor(nursery, 2, pd_args(sims, "--policy", "round_robin"))
+        await sup.wait_for(lambda: len(sup.pids) == 2, 30)
+        workers = list(sup.pids.values())
+        sup.proc.send_signal(signal.SIGKILL)
+        await sup.proc.wait()
+
+        async def all_exited() -> bool:
+            return all(_exited(pid) for pid in workers)
+
+        await eventually(all_exited, timeout=15)  # each drains (nothing in flight) and exits
+        nursery.cancel_scope.cancel()
