@@ -27,6 +27,7 @@ SCENARIOS = (
     "radix_tree",
     "cluster",
     "workers",
+    "caps",
 )
 
 
@@ -334,6 +335,56 @@ def _paced(data: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def _caps(data: dict[str, Any]) -> list[str]:
+    s = data["settings"]
+    out = [
+        "## 7. Memory caps under hostile clients and a broken upstream",
+        "",
+        f"{s['clients']} clients each open a stream of {s['tokens']} fast tokens with a 4 KiB"
+        f" receive window and never read, for {s['hold_s']:g} s; then 20 HTTP/2 prefaces; then"
+        " (trio-pdrouter) an upstream that writes an SSE line that never ends. Default flags.",
+        "",
+    ]
+    rows = []
+    for name, t in data["targets"].items():
+        nr, h2 = t["non_readers"], t["http2"]
+        rows.append(
+            [
+                name,
+                _f(nr["rss_idle_mb"], 0),
+                _f(nr["rss_peak_mb"], 0),
+                _f(nr["buffered_peak_mb"], 1),
+                _f(nr["engines_done_after_s"], 1),
+                ", ".join(f"{k} x{v}" for k, v in h2["answers"].items()),
+                _f(h2["rss_growth_mb"], 1),
+            ]
+        )
+    out += _table(
+        [
+            "router",
+            "RSS idle MB",
+            "RSS peak, 100 non-readers MB",
+            "held for clients MB",
+            "engines done after s",
+            "HTTP/2 preface answered",
+            "RSS growth after HTTP/2 MB",
+        ],
+        rows,
+    )
+    endless = data["targets"].get("trio-pdrouter", {}).get("endless_line")
+    if endless:
+        wrote = ", ".join(_f(w, 1) for w in endless["upstream_wrote_mb"])
+        out += [
+            "",
+            f"Endless upstream line: RSS {_f(endless['rss_idle_mb'], 0)} → peak"
+            f" {_f(endless['rss_peak_mb'], 0)} MB, router CPU {_f(endless['router_cpu_s'], 2)} s"
+            f" for {len(endless['client_tails'])} streams; the upstream wrote {wrote} MB each"
+            " before the router hung up.",
+            "",
+        ]
+    return out
+
+
 def _memory(data: dict[str, Any]) -> list[str]:
     s = data["settings"]
     out = [
@@ -503,6 +554,8 @@ def write_report(command: str) -> Path:
             parts += _cluster(data)
         elif scenario == "workers":
             parts += _workers(data)
+        elif scenario == "caps":
+            parts += _caps(data)
         else:
             parts += _radix(data)
     parts += ["Sources: " + ", ".join(sources), ""]

@@ -100,6 +100,7 @@ async def start_cluster(
     n_decode: int = 1,
     pd: bool = True,
     client_connections: int = 100,
+    listening: dict[str, Any] | None = None,
     **router: Any,
 ) -> Cluster:
     """Start simulators and a router in ``nursery``; the router gets the sims' URLs."""
@@ -122,7 +123,8 @@ async def start_cluster(
     else:
         router.setdefault("worker_urls", tuple(s.url for s in decode))
     router.setdefault("policy", "round_robin")
-    config = RouterConfig(pd=pd, server=ServerSettings(host="127.0.0.1", port=0), **router)
+    settings = ServerSettings(host="127.0.0.1", port=0, **(listening or {}))
+    config = RouterConfig(pd=pd, server=settings, **router)
     running: RunningRouter = await nursery.start(run_router, config)
     client = httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=client_connections))
     nursery.start_soon(_close_when_cancelled, client)

@@ -26,7 +26,7 @@ from .harness import ScriptedUpstream, make_app, pd_config, streaming, total_loa
 API_KEY = "sk-router"
 INFERENCE = ("/v1/completions", "/v1/chat/completions")
 #: Statuses the router itself gives a request it refuses; such a request never goes upstream.
-REFUSALS = {400, 401, 404, 405, 408, 413, 415, 429}
+REFUSALS = {400, 401, 404, 405, 408, 413, 415, 429, 431, 505}
 
 CONFIGS: dict[str, RouterConfig] = {
     "pd": pd_config(),

@@ -178,6 +178,8 @@ def sample(option: flags.Flag | flags.Switch, default: Any) -> list[str]:
         return ["--no-" + option.spelling[2:] if default else option.spelling]
     if option.choices is not None:
         return [option.spelling, next(c for c in reversed(option.choices) if c != default)]
+    if option.type is int and isinstance(default, tuple):  # several numbers
+        return [option.spelling, *(str(n * 2) for n in default), "3"]
     if option.type is int:
         return [option.spelling, str(default * 2 if default else 3)]
     if option.type is float:
@@ -277,10 +279,8 @@ def test_a_refused_flag_parses_and_is_refused_by_name(
 
 
 def test_a_refused_flag_given_its_default_is_accepted() -> None:
-    config = parse_config(
-        [*REGULAR, "--service-discovery-port", "80", "--kv-event-block-size", "16"]
-    )
-    assert config.discovery.port == 80 and config.kv_events.block_size == 16
+    config = parse_config([*REGULAR, "--kv-event-block-size", "16"])
+    assert config.kv_events.block_size == 16
 
 
 @pytest.mark.parametrize(
@@ -354,3 +354,38 @@ def test_a_launch_command_with_every_vllm_router_flag_exits_2_with_one_message()
     refused = {option.spelling for option in REFUSED} | {"--policy", "--kv-connector"}
     refused.add("--decode-policy")
     assert named == refused & given
+
+
+def test_discovery_takes_vllm_router_spellings_and_makes_servers_optional() -> None:
+    config = parse_config(
+        [
+            "--vllm-pd-disaggregation", "--service-discovery", "--prefill-selector", "role=p",
+            "--decode-selector", "role=d", "app=x", "--service-discovery-port", "8000",
+        ]
+    )  # fmt: skip
+    assert config.discovery.ports == (8000,) and config.discovery.resync_secs == 30
+    selectors = config.discovery.selectors(pd=True)
+    assert [s.query() for s in selectors.values()] == ["role=p", "role=d,app=x"]
+    regular = parse_config(["--service-discovery", "--service-discovery-port", "8000", "8001"])
+    assert regular.discovery.ports == (8000, 8001) and regular.discovery.namespace is None
+    assert parse_config([*REGULAR]).discovery.ports == (80,)  # vllm-router 0.1.17's default
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--vllm-pd-disaggregation", "--service-discovery", "--prefill-selector", "r=p"],
+            "--decode",
+        ),
+        (["--selector", "app=x"], "no upstream"),
+        (["--service-discovery", "--service-discovery-port", "0"], "distinct ports"),
+        (["--service-discovery", "--service-discovery-port", "80", "80"], "distinct ports"),
+    ],
+)
+def test_discovery_refuses_what_cannot_work(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_config(argv)
+    assert message in capsys.readouterr().err

@@ -4,6 +4,7 @@ every flag, the refused ones included, exits 2: ``tests/test_cli.py``)."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import socket
 import sys
@@ -16,16 +17,16 @@ from trio_pdrouter_sim import SimConfig
 from trio_pdrouter_sim.server import SimServer
 
 from .cluster import eventually
+from .kube_fake import FakeKube, serve_fake
 from .test_cli import VLLM_ROUTER_FLAGS
+from .test_discovery_e2e import kubeconfig
 
 #: Flags of vllm-router that are refused here when given a value of their own.
 REFUSED = {
     "--enable-program-scheduling", "--program-scheduling-config-json", "--kv-event-source",
     "--kv-event-replay-source", "--kv-event-block-size", "--kv-event-model", "--pd-kv-events",
     "--mini-lb", "--wasm-middleware", "--wasm-middleware-sha256", "--wasm-middleware-route",
-    "--enable-igw", "--service-discovery", "--selector", "--service-discovery-port",
-    "--service-discovery-namespace", "--prefill-selector", "--decode-selector",
-    "--vllm-discovery-address",
+    "--enable-igw", "--vllm-discovery-address",
 }  # fmt: skip
 
 
@@ -62,6 +63,9 @@ def launch_command(prefill: str, decode: str, log_dir: pathlib.Path) -> list[str
         "--health-check-endpoint", "/health", "--max-concurrent-requests", "64",
         "--queue-size", "8", "--queue-timeout-secs", "5",
         "--rate-limit-tokens-per-second", "100", "--cors-allowed-origins", "http://ui.example",
+        "--service-discovery", "--selector", "app=vllm", "--service-discovery-port", "8000",
+        "--service-discovery-namespace", "default", "--prefill-selector", "role=p",
+        "--decode-selector", "role=d",
     ]  # fmt: skip
 
 
@@ -69,6 +73,8 @@ async def test_a_launch_command_with_every_supported_vllm_router_flag_serves(
     tmp_path: pathlib.Path,
 ) -> None:
     async with trio.open_nursery() as nursery:
+        kube = FakeKube()  # discovery finds no pod: the static servers serve
+        await nursery.start(serve_fake, kube)
         base = SimConfig.fast(port=0, dp_size=2)
         prefill = SimServer(attrs.evolve(base, role="prefill"))
         decode = SimServer(attrs.evolve(base, role="decode"))
@@ -79,7 +85,10 @@ async def test_a_launch_command_with_every_supported_vllm_router_flag_serves(
         assert given == set(VLLM_ROUTER_FLAGS) - REFUSED
         port = argv[argv.index("--port") + 1]
         url = f"http://127.0.0.1:{port}"
-        process = await trio.lowlevel.open_process([sys.executable, "-m", "trio_pdrouter", *argv])
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig(tmp_path / "kubeconfig", kube.url))}
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "trio_pdrouter", *argv], env=env
+        )
         try:
             async with httpx.AsyncClient(timeout=10) as client:
 
@@ -102,5 +111,10 @@ async def test_a_launch_command_with_every_supported_vllm_router_flag_serves(
         finally:
             process.terminate()
             await process.wait()
-        assert list(await trio.Path(tmp_path).iterdir()), "the log file is in --log-dir"
+        assert list(await trio.Path(tmp_path).glob("trio-pdrouter.*")), (
+            "the log file is in --log-dir"
+        )
+        assert any(
+            q.get("watch") and q.get("labelSelector") == "role=d" for _, q, _ in kube.requests
+        )
         nursery.cancel_scope.cancel()

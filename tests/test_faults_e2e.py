@@ -409,6 +409,44 @@ async def test_client_that_stops_reading_does_not_hold_decode_load(
         nursery.cancel_scope.cancel()
 
 
+async def test_client_that_accepts_nothing_is_cut_off_after_the_write_timeout(
+    transports: list[CountingTransport],
+) -> None:
+    """The engine finished long ago; the client is still connected and reads nothing. After
+    ``--client-write-timeout-secs`` the router ends the request and closes the connection."""
+    async with trio.open_nursery() as nursery:
+        c = await start_cluster(
+            nursery, retry=NO_RETRY, listening={"write_timeout": 0.5}, max_buffered_bytes=32 * 1024
+        )
+        body = {
+            "model": "sim-model",
+            "prompt": PROMPT,
+            # More than the kernel's socket buffers hold (up to 4 MiB on the sending side).
+            "max_tokens": 30 * STALLED_TOKENS,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        client = await RawClient.send(c.url, "/v1/completions", body, rcvbuf=4096)
+
+        async def engine_aborted() -> bool:  # the router's buffer overflowed: load released
+            return bool((await sim_stats(c.decode[0]))["totals"]["aborted"] == 1)
+
+        await eventually(engine_aborted)
+        assert c.router.ledger.total() == 0
+
+        async def cut_off() -> bool:
+            return not c.router.app.proxy.in_flight
+
+        await eventually(cut_off)
+        payload = await client.read_to_end()  # what the kernel held, then the end
+        assert not payload.endswith(b"\r\n0\r\n\r\n"), "the stalled answer was not cut"
+        metrics = (await c.client.get(f"{c.url}/metrics")).text
+        assert 'outcome="client_stalled"' in metrics
+        client.close("fin")
+        await assert_released(c, transports, aborted={"decode": 1})
+        nursery.cancel_scope.cancel()
+
+
 async def test_client_too_far_behind_is_cut_off(transports: list[CountingTransport]) -> None:
     """Past ``max_buffered_bytes`` the stalled client is treated as gone: the engine is aborted
     and the load released. (That this happens at all shows the writer was blocked.)"""

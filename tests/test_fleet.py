@@ -14,6 +14,7 @@ import trio.testing
 from trio_pdrouter.admission import Admission
 from trio_pdrouter.app import RouterApp
 from trio_pdrouter.breaker import Breakers
+from trio_pdrouter.buffers import BufferBudget
 from trio_pdrouter.config import AdmissionSettings, BreakerSettings, HealthSettings
 from trio_pdrouter.endpoints import Role
 from trio_pdrouter.fleet import DuplicateServer, Fleet
@@ -185,5 +186,6 @@ def test_the_proxy_cannot_be_built_without_a_reclaimer() -> None:
                 first_byte_limit=1.0,
                 stream_timeout=httpx.Timeout(1.0),
                 max_buffered_bytes=1,
+                budget=BufferBudget(1),
             ),
         )

@@ -70,7 +70,12 @@ def test_no_retry_out_of_streaming_or_any_decided_phase() -> None:
 
 def test_decided_phases_lead_nowhere_but_client_gone_or_crashed() -> None:
     for phase in DECIDED:
-        assert successors(phase) <= {phase, Phase.CLIENT_GONE, Phase.CRASHED}
+        assert successors(phase) <= {
+            phase,
+            Phase.CLIENT_GONE,
+            Phase.CLIENT_STALLED,
+            Phase.CRASHED,
+        }
 
 
 def test_every_phase_is_in_the_table_and_reachable() -> None:
@@ -109,6 +114,24 @@ def test_client_gone_absorbs_late_steps_but_a_crash() -> None:
     assert life.client_gone, "a crash after the client left still knows it left"
     with pytest.raises(IllegalTransition):
         life.step(Event.CRASH)
+
+
+@pytest.mark.parametrize("first", [Event.CLIENT_LEFT, Event.CLIENT_STALLED])
+def test_a_stalled_client_is_gone_and_whichever_end_came_first_stays(first: Event) -> None:
+    life = Lifecycle()
+    for event in PD_STREAM[:6]:
+        life.step(event)
+    gone = life.step(first)
+    assert life.client_gone
+    other = Event.CLIENT_STALLED if first is Event.CLIENT_LEFT else Event.CLIENT_LEFT
+    assert life.step(other) is gone and life.step(Event.ANSWERED) is gone
+    assert (
+        outcome(gone, None)
+        == {
+            Event.CLIENT_LEFT: "client_disconnect",
+            Event.CLIENT_STALLED: "client_stalled",
+        }[first]
+    )
 
 
 def test_kv_owner_table() -> None:

@@ -50,11 +50,13 @@ from hypothesis.stateful import (
     rule,
 )
 
+from trio_pdrouter import hypercorn_fixes
 from trio_pdrouter.app import RouterApp
 from trio_pdrouter.config import RetrySettings, RouterConfig, Timeouts
 from trio_pdrouter.lifecycle import KvOwner, Phase, successors
 from trio_pdrouter.server import build_app
 from trio_pdrouter.sse import DONE
+from trio_pdrouter.stalls import StallWatch
 from trio_pdrouter.upstream import client_timeout
 
 from .harness import KV, Exchange, ScriptedBody, ScriptedUpstream, call
@@ -243,10 +245,17 @@ class ClientRequest:
     #: Ended by the server shutting down (cancelled), not by the app returning.
     by_shutdown: bool = False
     crashed: BaseException | None = None
+    #: Cut off by the router's stall watch (it accepted nothing for STALL seconds).
+    was_cut: bool = False
 
     @property
     def live(self) -> bool:
         return not self.ended
+
+    def cut(self) -> None:
+        """What cutting the connection does to the client (hypercorn_fixes.Connection.cut)."""
+        self.was_cut = True
+        self.exchange.leave()
 
 
 class ErrorLog(logging.Handler):
@@ -271,6 +280,8 @@ DECODE_FAILURES = ("503", "reset", "400")
 JUMPS = (TIMEOUT / 2, TIMEOUT + 0.5, 10 * TIMEOUT)
 #: Longer than any retry backoff of the retry machine, far shorter than every timeout.
 MOMENT = 0.1
+#: --client-write-timeout-secs in the machines: shorter than some jumps, longer than others.
+STALL = 8.0
 #: Rules that end requests early. Each run enables a random subset ("swarm testing"): with all of
 #: them on, nearly every request is cut short before its decode stream gets going, and the deep
 #: states (a stream in flight, a stalled client) are rarely reached.
@@ -287,6 +298,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         policy="round_robin",
         timeouts=Timeouts(request=TIMEOUT),
         retry=RetrySettings(max_retries=1),  # one attempt: vllm-router's meaning of 1
+        # Four events across all streams: stalled clients meet the process's buffer budget.
+        max_total_buffered_bytes=4 * len(EVENT),
     )
     #: Whether a live request with a draining client and no open upstream call is a bug (it is
     #: not while a retrying request sleeps its backoff).
@@ -303,6 +316,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         #: The app of the server running now (each start builds one: its background nursery,
         #: where stranded-KV reclaims run, lives as long as that server).
         self.app: RouterApp
+        self.stall_watch: StallWatch
         self.requests: dict[str, ClientRequest] = {}
         self.calls: list[UpstreamCall] = []
         self.errors = ErrorLog()
@@ -341,6 +355,7 @@ class LifecycleMachine(RuleBasedStateMachine):
                     async with trio.open_nursery() as nursery:
                         self.server_scope, self.server_nursery = scope, nursery
                         self.app = build_app(self.config, self.client, nursery)
+                        self.stall_watch = StallWatch(STALL, self.app.proxy.in_flight)
                         task_status.started()
                         await trio.sleep_forever()
             finally:
@@ -350,6 +365,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         await self.loop.nursery.start(serve)
 
     async def _client(self, req: ClientRequest, body: dict[str, Any]) -> None:
+        # This task's connection, as hypercorn_fixes.expose_connections gives it.
+        hypercorn_fixes._CONNECTION.set(req)  # type: ignore[arg-type]
         try:
             await call(
                 self.app,
@@ -569,6 +586,12 @@ class LifecycleMachine(RuleBasedStateMachine):
         waiting for nothing else."""
         self._step(lambda: self.clock.jump(MOMENT))
 
+    @precondition(lambda self: self._may("client_stops_reading") and self._busy())
+    @rule()
+    def stall_watch_looks(self) -> None:
+        """The watch's periodic look: clients stuck in one send for STALL seconds are cut."""
+        self._step(self.stall_watch.sweep)
+
     @precondition(lambda self: self._may("time_passes") and self._busy())
     @rule(seconds=st.sampled_from(JUMPS))
     def time_passes(self, seconds: float) -> None:
@@ -649,12 +672,12 @@ class LifecycleMachine(RuleBasedStateMachine):
             expected = self._expected_phases(req)
             assert phase in expected, f"{rid} is {phase}, expected {expected}: {self._describe()}"
             kv = self._expected_kv(req)
-            if kv is not None and phase is not Phase.CLIENT_GONE:
+            if kv is not None and phase not in (Phase.CLIENT_GONE, Phase.CLIENT_STALLED):
                 assert served.life.kv is kv, f"{rid}: KV held by {served.life.kv}, not {kv}"
 
     def _expected_phases(self, req: ClientRequest) -> frozenset[Phase]:
         if req.exchange.disconnect.is_set():
-            return frozenset({Phase.CLIENT_GONE})
+            return frozenset({Phase.CLIENT_STALLED if req.was_cut else Phase.CLIENT_GONE})
         calls = [c for c in req.calls if not c.stranded]
         last = calls[-1] if calls else None
         if last is not None and last.open:
@@ -790,6 +813,7 @@ class RegularModeMachine(LifecycleMachine):
         policy="round_robin",
         timeouts=Timeouts(request=TIMEOUT),
         retry=RetrySettings(max_retries=1),
+        max_total_buffered_bytes=4 * len(EVENT),
     )
 
 
@@ -803,6 +827,7 @@ class RetryingMachine(LifecycleMachine):
         policy="round_robin",
         timeouts=Timeouts(request=TIMEOUT),
         retry=RetrySettings(max_retries=3),
+        max_total_buffered_bytes=4 * len(EVENT),
     )
     check_progress = False
 

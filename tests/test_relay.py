@@ -3,12 +3,13 @@ import trio
 import trio.testing
 
 from trio_pdrouter import outcomes
+from trio_pdrouter.buffers import BufferBudget, RelayBuffer, RelayOverflow
 from trio_pdrouter.endpoints import Endpoint, Role
-from trio_pdrouter.relay import IdleDeadline, RelayBuffer, RelayOverflow
+from trio_pdrouter.relay import IdleDeadline
 
 
 async def test_writer_gets_everything_pending_in_one_piece() -> None:
-    buffer = RelayBuffer(limit=1000)
+    buffer = RelayBuffer(1000, BufferBudget(10_000))
     buffer.put(b"a")
     buffer.put(b"b")
     assert await buffer.take() == b"ab"
@@ -20,7 +21,7 @@ async def test_writer_gets_everything_pending_in_one_piece() -> None:
 
 
 async def test_writer_waits_for_data_then_sees_the_error() -> None:
-    buffer = RelayBuffer(limit=1000)
+    buffer = RelayBuffer(1000, BufferBudget(10_000))
     got: list[bytes | None] = []
 
     async def writer() -> None:
@@ -41,7 +42,7 @@ async def test_writer_waits_for_data_then_sees_the_error() -> None:
 
 
 def test_overflow_past_the_limit() -> None:
-    buffer = RelayBuffer(limit=3)
+    buffer = RelayBuffer(3, BufferBudget(10_000))
     buffer.put(b"abc")
     with pytest.raises(RelayOverflow):
         buffer.put(b"d")
@@ -74,3 +75,37 @@ async def test_idle_deadline_without_a_limit_never_fires(
         idle.touch()
         await trio.sleep(10**6)
     assert not idle.scope.cancelled_caught
+
+
+async def test_the_budget_counts_bytes_until_their_send_is_over_then_exactly_zero() -> None:
+    budget = BufferBudget(100)
+    a = RelayBuffer(1000, budget)
+    a.put(b"x" * 10)
+    assert budget.total == 10
+    assert await a.take() == b"x" * 10
+    assert budget.total == 10, "taken, but its send has not finished"
+    a.put(b"y" * 5)
+    assert await a.take() == b"y" * 5  # the first send finished
+    assert budget.total == 5
+    a.discard()
+    a.discard()  # once only
+    assert budget.total == 0
+
+
+def test_past_the_budget_the_furthest_behind_open_stream_is_ended() -> None:
+    budget = BufferBudget(100)
+    behind, near, done = (RelayBuffer(1000, budget) for _ in range(3))
+    behind.put(b"b" * 60)
+    done.put(b"d" * 30)
+    done.close()  # finished: its last bytes are not dropped
+    near.put(b"n" * 10)  # 100: fits
+    near.put(b"n")  # 101: the one furthest behind (and still open) is emptied
+    assert budget.total == 41 and behind.queued == 0
+    with pytest.raises(RelayOverflow, match="furthest behind"):
+        behind.put(b"b")
+    near.put(b"n" * 9)  # fits again
+    with pytest.raises(RelayOverflow, match="furthest behind"):
+        near.put(b"n" * 60)  # this stream itself is now the furthest behind
+    for buffer in (behind, near, done):
+        buffer.discard()
+    assert budget.total == 0

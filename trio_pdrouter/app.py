@@ -17,7 +17,7 @@ import orjson
 import trio
 
 from . import errors, pd, sampling
-from .asgi import Downstream, Receive, Reply, Scope, Send, answer_lifespan
+from .asgi import Downstream, Headers, Receive, Reply, Scope, Send, answer_lifespan
 from .config import RouterConfig
 from .cors import Cors, origin_of
 from .endpoints import Role
@@ -46,10 +46,15 @@ WORKER_PREFIX = "/workers/"
 MAX_JSON_DEPTH = 64
 
 
+#: Sent with an answer after which the connection cannot be reused (part of the request unread).
+CLOSE = ((b"connection", b"close"),)
+
+
 class BadRequest(Exception):
-    def __init__(self, error: RouterError) -> None:
+    def __init__(self, error: RouterError, headers: Headers = ()) -> None:
         super().__init__(error.message)
         self.error = error
+        self.headers = headers
 
 
 class RouterApp:
@@ -119,6 +124,15 @@ class RouterApp:
                 return
             send = self._cors.on_response(origin, send)
         path: str = scope["path"]
+        if scope.get("http_version", "1.1").startswith("2"):  # the HTTP/2 preface: see
+            await _reply(send, Reply.error(errors.http2_not_served(), CLOSE))  # hypercorn_fixes
+            return
+        limit = self._config.server.max_header_bytes
+        if _head_size(scope) > limit:
+            # hypercorn bounds what it buffers of an incomplete head, but a head that completes
+            # within one more read passes that check; this one counts the head itself.
+            await _reply(send, Reply.error(errors.headers_too_large(limit), CLOSE))
+            return
         key = self._config.api_key
         # Before the route is looked up: without the key, every route answers 401 alike, so
         # none can be told apart (enumerated) by its 404 or 405.
@@ -129,7 +143,7 @@ class RouterApp:
             # RFC 9112 §6.1: a message with both may be a request smuggled past a proxy that
             # trusts Content-Length; refuse it and close the connection.
             error = errors.bad_request("request has both Content-Length and Transfer-Encoding")
-            await _reply(send, Reply.error(error, [(b"connection", b"close")]))
+            await _reply(send, Reply.error(error, CLOSE))
             return
         methods = self.routes.get(path)
         if methods is None and path.startswith(WORKER_PREFIX):
@@ -157,7 +171,7 @@ class RouterApp:
         try:
             inference = await self._parse(scope, headers, receive)
         except BadRequest as exc:
-            reply = Reply.error(exc.error)
+            reply = Reply.error(exc.error, exc.headers)
             await _reply(send, reply)
             record = RequestRecord(
                 pd.request_id(headers, self._config.request_id_headers),
@@ -198,7 +212,7 @@ class RouterApp:
         # isascii: "²".isdigit() is true, and int() refuses it.
         if declared and declared.isascii() and declared.isdigit() and int(declared) > limit:
             raise BadRequest(errors.payload_too_large(limit))
-        raw = await _read_body(receive, limit)
+        raw = await _read_body(receive, limit, self._config.server.body_timeout)
         if raw is None:
             return None
         try:
@@ -258,9 +272,13 @@ class RouterApp:
         checks are off).
         """
         try:
-            raw = await _read_body(receive, 64 * 1024)
+            raw = await _read_body(receive, 64 * 1024, self._config.server.body_timeout)
+        except BadRequest as exc:
+            await _reply(send, Reply.error(exc.error, exc.headers))
+            return
+        try:
             body = orjson.loads(raw or b"null")
-        except (BadRequest, orjson.JSONDecodeError):
+        except orjson.JSONDecodeError:
             body = None
         url, role_name = (body.get("url"), body.get("role")) if isinstance(body, dict) else (0, 0)
         if not isinstance(url, str) or role_name not in {r.value for r in Role}:
@@ -344,20 +362,33 @@ def _validate(route: Route, body: Any) -> None:
         raise BadRequest(refusal)
 
 
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
+async def _read_body(receive: Receive, limit: int, seconds: float) -> bytes | None:
+    """The whole body, at most ``limit`` bytes, within ``seconds``; ``None`` if the client left
+    while sending it."""
     chunks: list[bytes] = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk: bytes = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise BadRequest(errors.payload_too_large(limit))
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
+    with trio.move_on_after(seconds):
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk: bytes = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise BadRequest(errors.payload_too_large(limit))
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+    raise BadRequest(errors.body_timeout(seconds), CLOSE)
+
+
+def _head_size(scope: Scope) -> int:
+    """The size of the request line and headers as they came on the wire (near enough: the
+    method, version and separators are counted at their usual width)."""
+    size = len(scope.get("raw_path") or scope["path"]) + len(scope.get("query_string", b"")) + 16
+    for name, value in scope["headers"]:
+        size += len(name) + len(value) + 4
+    return size
 
 
 def _headers(scope: Scope) -> dict[str, str]:

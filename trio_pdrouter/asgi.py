@@ -45,9 +45,21 @@ class Reply:
 
 
 class Downstream:
-    """Sends a response to the client and remembers how far it got."""
+    """Sends a response to the client and remembers how far it got.
 
-    __slots__ = ("_send", "bytes_sent", "first_chunk_at", "started", "status")
+    ``sending`` and ``sends_done`` let a watcher tell a client that accepts nothing (one send
+    under way, the count not moving) from one that is slow; see :mod:`.stalls`.
+    """
+
+    __slots__ = (
+        "_send",
+        "bytes_sent",
+        "first_chunk_at",
+        "sending",
+        "sends_done",
+        "started",
+        "status",
+    )
 
     def __init__(self, send: Send) -> None:
         self._send = send
@@ -56,24 +68,34 @@ class Downstream:
         self.bytes_sent = 0
         #: When the first body chunk of a streamed response was sent (trio time).
         self.first_chunk_at: float | None = None
+        self.sending = False
+        self.sends_done = 0
+
+    async def _out(self, message: Message) -> None:
+        self.sending = True
+        try:
+            await self._send(message)
+        finally:
+            self.sending = False
+            self.sends_done += 1
 
     async def start(self, status: int, headers: Headers) -> None:
         self.started = True
         self.status = status
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+        await self._out({"type": "http.response.start", "status": status, "headers": headers})
 
     async def chunk(self, data: bytes) -> None:
         if self.first_chunk_at is None:
             self.first_chunk_at = trio.current_time()
         self.bytes_sent += len(data)
-        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+        await self._out({"type": "http.response.body", "body": data, "more_body": True})
 
     async def finish(self, reply: Reply) -> None:
         """Send ``reply`` as the response's last message."""
         if not self.started:
             await self.start(reply.status, reply.headers)
         self.bytes_sent += len(reply.body)
-        await self._send({"type": "http.response.body", "body": reply.body, "more_body": False})
+        await self._out({"type": "http.response.body", "body": reply.body, "more_body": False})
 
 
 async def answer_lifespan(receive: Receive, send: Send) -> None:

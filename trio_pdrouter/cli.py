@@ -63,6 +63,7 @@ def parse_config(argv: Sequence[str] | None = None) -> RouterConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    from .kube_credentials import NoCredentials
     from .server import run_router, wait_for_signal
     from .startup import StartupTimeout
     from .supervisor import WorkersKeepDying, supervise
@@ -75,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             trio.run(
                 lambda: run_router(config, shutdown_trigger=wait_for_signal, exit_by_deadline=True)
             )
-        except StartupTimeout as exc:
+        except (StartupTimeout, NoCredentials) as exc:
             sys.exit(f"trio-pdrouter: {exc}")
         return
     failure = ""

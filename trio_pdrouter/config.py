@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 
+from .discovery_settings import DiscoverySettings
 from .endpoints import Endpoint, Role, expand, normalize_url
 from .flags import ConfigError as ConfigError
 from .flags import Flag, Group, must, positive, section, setting
@@ -30,9 +31,9 @@ from .unsupported import (
     KV_EVENTS,
     OTHER_CONNECTORS,
     STICKY_LEAST_LOADED,
-    DiscoverySettings,
     ExtensionSettings,
     KvEventSettings,
+    ZmqDiscoverySettings,
 )
 
 __all__ = [
@@ -245,6 +246,17 @@ class RouterConfig:
             type=int,
         ),
     )
+    max_total_buffered_bytes: int = setting(
+        256 * 1024 * 1024,
+        Flag(
+            "--max-total-buffered-bytes",
+            Group.REQUESTS,
+            "decode output held for all clients together; past it the streams furthest"
+            " behind are ended (aborted upstream) until the total fits",
+            type=int,
+        ),
+        check=positive,
+    )
     max_upstream_answer_bytes: int = setting(
         64 * 1024 * 1024,
         Flag(
@@ -274,6 +286,8 @@ class RouterConfig:
     admission: AdmissionSettings = section(AdmissionSettings)
     # -- cluster
     cluster: ClusterSettings = section(ClusterSettings)
+    # -- kubernetes service discovery
+    discovery: DiscoverySettings = section(DiscoverySettings)
     # -- security
     api_key: str | None = setting(
         None,
@@ -355,25 +369,30 @@ class RouterConfig:
         check=must(lambda s: s >= 0, "must be 0 (off) or a positive number"),  # refuses NaN
     )
     # -- vllm-router flags for what is not implemented (see trio_pdrouter.unsupported)
-    discovery: DiscoverySettings = section(DiscoverySettings)
+    zmq_discovery: ZmqDiscoverySettings = section(ZmqDiscoverySettings)
     kv_events: KvEventSettings = section(KvEventSettings)
     extensions: ExtensionSettings = section(ExtensionSettings)
 
     def __attrs_post_init__(self) -> None:
-        """The checks that involve several fields: which upstreams the mode needs."""
+        """The checks that involve several fields: which upstreams the mode needs (a role's
+        servers come from the command line, or from discovery with that role's selector)."""
+        discovered = self.discovery.selectors(self.pd)
         if self.pd:
-            if not self.prefill_urls or not self.decode_urls:
+            if not (self.prefill_urls or Role.PREFILL in discovered) or not (
+                self.decode_urls or Role.DECODE in discovered
+            ):
                 raise ConfigError(
                     "--vllm-pd-disaggregation needs at least one --prefill and one --decode URL"
+                    " (or --service-discovery with --prefill-selector and --decode-selector)"
                 )
             if self.worker_urls:
                 raise ConfigError("--worker-urls cannot be combined with --vllm-pd-disaggregation")
-        elif not self.worker_urls:
+        elif not self.worker_urls and not discovered:
             if self.prefill_urls or self.decode_urls:
                 raise ConfigError("--prefill/--decode need --vllm-pd-disaggregation")
             raise ConfigError(
                 "no upstream: give --worker-urls URL..., or --vllm-pd-disaggregation with"
-                " --prefill URL and --decode URL"
+                " --prefill URL and --decode URL, or --service-discovery"
             )
 
     def stage_policy(self, role: Role) -> str:

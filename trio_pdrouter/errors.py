@@ -56,6 +56,20 @@ def queue_timeout(seconds: float) -> RouterError:
     return RouterError(408, f"request waited {seconds:g}s in the admission queue", "timeout_error")
 
 
+def body_timeout(seconds: float) -> RouterError:
+    return RouterError(408, f"request body did not arrive within {seconds:g}s", "timeout_error")
+
+
+def headers_too_large(limit: int) -> RouterError:
+    return RouterError(
+        431, f"request line and headers exceed {limit} bytes", "invalid_request_error"
+    )
+
+
+def http2_not_served() -> RouterError:
+    return RouterError(505, "HTTP/2 is not served; use HTTP/1.1", "invalid_request_error")
+
+
 def payload_too_large(limit: int) -> RouterError:
     return RouterError(413, f"request body exceeds {limit} bytes", "invalid_request_error")
 

@@ -57,6 +57,7 @@ class Group(enum.Enum):
     REQUESTS = "requests"
     RESILIENCE = "resilience"
     CLUSTER = "cluster"
+    DISCOVERY = "kubernetes service discovery"
     SECURITY = "security"
     OBSERVABILITY = "observability"
     REFUSED = "vllm-router flags not implemented (they parse, then refuse to start with a reason)"

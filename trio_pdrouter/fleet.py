@@ -13,6 +13,11 @@ server from :class:`Fleet` and from nowhere else:
   there) and forgets its circuit breakers, waits up to a timeout for its in-flight requests to
   end, then drops its ledger counters — at once if they are zero, else at their last release:
   requests still running keep their leases and release what they took whenever they end.
+  :meth:`Fleet.withdraw` is its first half alone, synchronous, for a caller that drains in a
+  task of its own (discovery). A server added back while its old self drains keeps counting.
+* Every server has an :class:`Origin`: ``static`` (the command line), ``api``
+  (``POST /workers``) or ``discovery`` (a Kubernetes pod, named with its UID); ``/workers``
+  shows it and discovery removes only servers whose origin is ``discovery``.
 * With ``--workers N`` the fleet is given the machine's :class:`ServerLog`: every runtime add
   or remove, in whichever worker, is applied here and appended to the log in one step under the
   machine lock, after replaying what this worker had not seen yet; :meth:`Fleet.follow`
@@ -35,6 +40,7 @@ from .breaker import Breakers
 from .endpoints import Endpoint, Role, expand
 from .health import HealthBoard
 from .load import LoadLedger
+from .pod_rule import PodRef
 from .routing import Routing
 
 
@@ -48,6 +54,43 @@ class Removal:
 
     removed: tuple[Endpoint, ...]
     in_flight: int
+
+
+@attrs.frozen
+class Origin:
+    """Where a server came from: ``source`` is static, api or discovery (then with its pod)."""
+
+    source: str
+    pod: PodRef | None = None
+    bootstrap_port: int | None = None
+
+    def encode(self) -> str:
+        """One word without spaces (for the machine's server log)."""
+        if self.pod is None:
+            return self.source
+        pod, port = self.pod, self.bootstrap_port
+        return f"{self.source}:{pod.namespace}:{pod.name}:{pod.uid}:{port or ''}"
+
+    @classmethod
+    def decode(cls, word: str) -> Origin:
+        source, *pod = word.split(":")
+        if len(pod) != 4:
+            return cls(source)
+        namespace, name, uid, port = pod
+        return cls(source, PodRef(namespace, name, uid), int(port) if port else None)
+
+    def describe(self) -> dict[str, Any]:
+        """What ``GET /workers`` says of it."""
+        if self.pod is None:
+            return {"source": self.source}
+        pod = {"namespace": self.pod.namespace, "name": self.pod.name, "uid": self.pod.uid}
+        if self.bootstrap_port is not None:
+            pod["bootstrap_port"] = str(self.bootstrap_port)
+        return {"source": self.source, "pod": pod}
+
+
+STATIC = Origin("static")
+API = Origin("api")
 
 
 class ServerLog(Protocol):
@@ -91,6 +134,7 @@ class Fleet:
         self._machine = machine
         self._log = None if machine is None else machine.log
         self._applied = 0
+        self._origins: dict[str, Origin] = {}
 
     @property
     def roles(self) -> tuple[Role, ...]:
@@ -104,7 +148,17 @@ class Fleet:
     def endpoints_of(self, url: str) -> list[Endpoint]:
         return [ep for ep in self.endpoints() if ep.url == url]
 
-    def add(self, url: str, role: Role, *, serving: bool) -> tuple[Endpoint, ...]:
+    def origin(self, url: str) -> Origin | None:
+        """Where the server at ``url`` came from; None if there is none."""
+        return self._origins.get(url)
+
+    def origins(self) -> dict[str, Origin]:
+        """Every server URL with its origin."""
+        return dict(self._origins)
+
+    def add(
+        self, url: str, role: Role, *, serving: bool, origin: Origin = API
+    ) -> tuple[Endpoint, ...]:
         """Add the server at ``url`` in ``role``; ``serving`` (start-up servers) takes traffic
         at once, else after its first successful health probe.
 
@@ -112,27 +166,32 @@ class Fleet:
         bad URL or a role this mode does not have.
         """
         if self._log is None:
-            return self._add(url, role, serving)
+            return self._add(url, role, serving, origin)
         with self._log.locked():
             self._catch_up()
-            added = self._add(url, role, serving)
-            self._publish(f"add {role.value} {added[0].url}")
+            added = self._add(url, role, serving, origin)
+            self._publish(f"add {role.value} {added[0].url} {origin.encode()}")
             return added
 
     async def remove(self, url: str, drain_timeout: float) -> Removal | None:
         """Remove the server at ``url`` from every role; None if there is none."""
-        url = url.rstrip("/")
-        if self._log is None:
-            removed = self._withdraw(url)
-        else:
-            with self._log.locked():
-                self._catch_up()
-                removed = self._withdraw(url)
-                if removed:
-                    self._publish(f"remove - {url}")
+        removed = self.withdraw(url)
         if not removed:
             return None
-        return await self._drain(removed, drain_timeout)
+        return await self.drain(removed, drain_timeout)
+
+    def withdraw(self, url: str) -> list[Endpoint]:
+        """The first half of :meth:`remove`, synchronous: no new request goes to ``url`` from
+        now on; its endpoints (empty if there is no such server), for :meth:`drain`."""
+        url = url.rstrip("/")
+        if self._log is None:
+            return self._withdraw(url)
+        with self._log.locked():
+            self._catch_up()
+            removed = self._withdraw(url)
+            if removed:
+                self._publish(f"remove - {url}")
+            return removed
 
     async def follow(self, interval: float) -> None:
         """Replay other workers' server changes every ``interval`` seconds (``--workers N``)."""
@@ -147,7 +206,7 @@ class Fleet:
 
     def add_at_start(self, url: str, role: Role) -> tuple[Endpoint, ...]:
         """A server of the command line: every worker starts with it, so it is not logged."""
-        return self._add(url, role, serving=True)
+        return self._add(url, role, True, STATIC)
 
     def catch_up(self) -> None:
         """Replay the machine's server changes this worker has not applied (at start)."""
@@ -158,22 +217,22 @@ class Fleet:
     def _catch_up(self) -> None:
         assert self._log is not None
         for change in self._log.changes(self._applied):
-            op, role, url = change.split(" ", 2)
+            op, role, url, *origin = change.split(" ")
             self._applied += 1
             if op == "add":
                 with contextlib.suppress(ValueError):  # DuplicateServer included: already here
-                    self._add(url, Role(role), serving=False)
+                    self._add(url, Role(role), False, Origin.decode(origin[0]) if origin else API)
             else:
                 removed = self._withdraw(url)
                 if removed and self._machine is not None:
                     machine = self._machine
-                    machine.background.start_soon(self._drain, removed, machine.drain_timeout)
+                    machine.background.start_soon(self.drain, removed, machine.drain_timeout)
 
     def _publish(self, change: str) -> None:
         assert self._log is not None
         self._applied = self._log.append_change(change)
 
-    def _add(self, url: str, role: Role, serving: bool) -> tuple[Endpoint, ...]:
+    def _add(self, url: str, role: Role, serving: bool, origin: Origin) -> tuple[Endpoint, ...]:
         if role not in self._routing.roles:
             modes = ", ".join(r.value for r in self._routing.roles)
             raise ValueError(f"role {role.value!r} does not exist in this mode (use {modes})")
@@ -185,6 +244,7 @@ class Fleet:
             self._ledger.add_endpoint(ep)
         self._routing.set_endpoints(role, [*current, *added])
         self._health.add_url(added[0].url, healthy=serving)
+        self._origins.setdefault(added[0].url, origin)
         return added
 
     def _withdraw(self, url: str) -> list[Endpoint]:
@@ -199,16 +259,21 @@ class Fleet:
         if not removed:
             return removed
         self._health.remove_url(url)
+        self._origins.pop(url, None)
         for ep in removed:
             self._breakers.forget(ep)
         return removed
 
-    async def _drain(self, removed: Sequence[Endpoint], drain_timeout: float) -> Removal:
+    async def drain(self, removed: Sequence[Endpoint], drain_timeout: float) -> Removal:
+        """The second half of :meth:`remove`: wait up to ``drain_timeout`` for the requests on
+        ``removed`` to end, then let the ledger forget them (at their last release)."""
         with trio.move_on_after(drain_timeout):
             await self._ledger.wait_idle(removed)
         in_flight = sum(self._ledger.load(ep) for ep in removed)
+        serving = set(self.endpoints())
         for ep in removed:
-            self._ledger.forget_when_idle(ep)
+            if ep not in serving:  # added back meanwhile: its counter is in use again
+                self._ledger.forget_when_idle(ep)
         return Removal(tuple(removed), in_flight)
 
     def workers(self) -> list[dict[str, Any]]:
@@ -230,6 +295,7 @@ class Fleet:
                 "circuit": breakers.state(ep),
                 "routable": ep in routable,
                 "load": ledger.load(ep),
+                **self._origins.get(ep.url, API).describe(),
             }
             for ep in self.endpoints()
         ]

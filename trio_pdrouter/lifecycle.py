@@ -30,7 +30,9 @@ legs' late events as CLIENT_GONE does (below).
 ``CLIENT_LEFT`` is allowed in every phase but the final ones: the client can leave at any instant,
 including after the answer was decided but before its last message went out (ANSWERED, FAILED,
 UNROUTABLE and REJECTED mean *decided*; the final send follows). A request whose client left is
-not answered. CLIENT_GONE then absorbs every later event but ``CRASH``: the watcher that sees
+not answered. ``CLIENT_STALLED`` is the same end, caused by the router: the client accepted no
+byte for ``--client-write-timeout-secs`` and its connection was cut (:mod:`.stalls`).
+CLIENT_GONE (or CLIENT_STALLED) then absorbs every later event but ``CRASH``: the watcher that sees
 the client leave cancels the request's scope, but trio delivers a cancellation only at the next
 checkpoint, so a leg that was just handed its result still finishes the step it was taking
 (a prefill answer read in the same instant is still recorded, and its KV blocks reclaimed).
@@ -85,6 +87,7 @@ class Phase(enum.Enum):
     # Final.
     CRASHED = "crashed"  # a bug in the router; answered 500 (or an error event) if possible
     CLIENT_GONE = "client_gone"  # the client left; nobody to answer
+    CLIENT_STALLED = "client_stalled"  # it accepted nothing for too long: the router cut it off
 
 
 class Event(enum.Enum):
@@ -100,6 +103,7 @@ class Event(enum.Enum):
     RETRY = "retry"
     FAIL = "fail"
     CLIENT_LEFT = "client_left"
+    CLIENT_STALLED = "client_stalled"
     SHUT_DOWN = "shut_down"
     CRASH = "crash"
 
@@ -127,14 +131,17 @@ TRANSITIONS: Mapping[Phase, Mapping[Event, Phase]] = {
     P.UNROUTABLE: {},
     P.REJECTED: {},
     P.CRASHED: {},
-    # Absorbs every event but CRASH (see the module doc); written out by _next.
+    # Absorb every event but CRASH (see the module doc); written out by _next.
     P.CLIENT_GONE: {},
+    P.CLIENT_STALLED: {},
     # Absorbs the legs' late events like CLIENT_GONE; the client may still leave.
     P.SHUT_DOWN: {},
 }
 
-#: Phases in which the client can still leave: all but the two final ones.
-_LEAVABLE = frozenset(TRANSITIONS) - {P.CRASHED, P.CLIENT_GONE}
+#: The phases of a request with nobody left to answer.
+_GONE = frozenset({P.CLIENT_GONE, P.CLIENT_STALLED})
+#: Phases in which the client can still leave (or be cut off): all but the final ones.
+_LEAVABLE = frozenset(TRANSITIONS) - {P.CRASHED, *_GONE}
 #: Phases the shutdown deadline ends: those whose answer is not decided yet.
 _UNDECIDED = frozenset(TRANSITIONS) - {
     P.ANSWERED,
@@ -143,7 +150,7 @@ _UNDECIDED = frozenset(TRANSITIONS) - {
     P.REJECTED,
     P.SHUT_DOWN,
     P.CRASHED,
-    P.CLIENT_GONE,
+    *_GONE,
 }
 
 #: The phases in which the request's answer is known (its last message may still be unsent).
@@ -226,8 +233,9 @@ class Lifecycle:
 
     @property
     def client_gone(self) -> bool:
-        """The client left (the request may have crashed since, while cleaning up)."""
-        return Phase.CLIENT_GONE in self.history
+        """The client left or was cut off (the request may have crashed since, while cleaning
+        up)."""
+        return not _GONE.isdisjoint(self.history)
 
     @property
     def streaming_started(self) -> bool:
@@ -243,9 +251,12 @@ def _next(phase: Phase, event: Event) -> Phase | None:
     if event is Event.CRASH:
         # A crash while answering a departed client is still logged as one.
         return Phase.CRASHED if phase is not Phase.CRASHED else None
-    if event is Event.CLIENT_LEFT:
-        return Phase.CLIENT_GONE if phase in _LEAVABLE or phase is Phase.CLIENT_GONE else None
-    if phase is Phase.CLIENT_GONE or phase is Phase.SHUT_DOWN:
+    if event is Event.CLIENT_LEFT or event is Event.CLIENT_STALLED:
+        if phase in _GONE:  # whichever came first stays
+            return phase
+        new = Phase.CLIENT_GONE if event is Event.CLIENT_LEFT else Phase.CLIENT_STALLED
+        return new if phase in _LEAVABLE else None
+    if phase in _GONE or phase is Phase.SHUT_DOWN:
         return phase
     if event is Event.SHUT_DOWN:
         return Phase.SHUT_DOWN if phase in _UNDECIDED else None
@@ -261,6 +272,7 @@ OUTCOMES: Mapping[Phase, str] = {
     P.REJECTED: "rejected",
     P.CRASHED: "internal_error",
     P.CLIENT_GONE: "client_disconnect",
+    P.CLIENT_STALLED: "client_stalled",
     P.SHUT_DOWN: "shutdown",
 }
 

@@ -152,6 +152,11 @@ class RouterMetrics:
             "Requests waiting for admission (beyond --max-concurrent-requests).",
             registry=r,
         )
+        self.buffered = Gauge(
+            p + "buffered_bytes",
+            "Decode output held for clients, all streams (--max-total-buffered-bytes bounds it).",
+            registry=r,
+        )
         self.rejections = Counter(
             p + "admission_rejections",
             "Requests refused by admission control, by reason (queue_full, queue_timeout).",
@@ -312,6 +317,10 @@ class RouterMetrics:
     def watch_admission(self, queued: Callable[[], int]) -> None:
         """Report the admission queue's depth, read at every scrape."""
         self.queue_depth.set_function(queued)
+
+    def watch_buffers(self, total: Callable[[], int]) -> None:
+        """Report the bytes held for clients, read at every scrape."""
+        self.buffered.set_function(total)
 
     def policy_decision(self, stage: str, reason: str) -> None:
         """A policy chose an endpoint for ``stage`` because of ``reason``; ``unbalanced`` is

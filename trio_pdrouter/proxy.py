@@ -42,6 +42,7 @@ from .admission import Admission, Rejected
 from .asgi import Downstream, Receive, Reply, Send
 from .config import RouterConfig
 from .endpoints import Role
+from .hypercorn_fixes import current_connection
 from .legs import BufferedDecode, PrefillLeg, UpstreamCall
 from .lifecycle import Event, KvEvent, KvOwner, Phase
 from .outcomes import LegFailure
@@ -88,7 +89,7 @@ class Proxy:
         self.in_flight: set[Request] = set()
 
     async def handle(self, inf: Inference, receive: Receive, send: Send) -> RequestRecord:
-        req = Request(inf, Downstream(send), self._outcomes)
+        req = Request(inf, Downstream(send), self._outcomes, current_connection())
         self.in_flight.add(req)
         try:
             await self._serve(req, receive)

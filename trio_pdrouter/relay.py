@@ -7,15 +7,17 @@ owns the decode load and keeps reading into a :class:`RelayBuffer`; the writer (
 own task) drains the buffer and sends everything pending in one ``send()``, which also coalesces
 events under load.
 
-The buffer is bounded in bytes. A client that falls further behind than that is treated as gone:
-the reader stops, which closes the upstream connection (so the engine aborts) and releases load.
+The buffer is bounded in bytes, and so is the sum over all streams (:mod:`.buffers`). A client
+that falls further behind than either allows is treated as gone: the reader stops, which closes
+the upstream connection (so the engine aborts) and releases load.
 
 The idle limit (``stream_timeout.read``, the longest gap between two upstream reads) is one
 cancel scope per stream (:class:`IdleDeadline`), not one per read: per token-paced event a fresh
 scope costs more than the rest of the upstream read path.
 
 Bytes go through untouched, but only whole SSE events (:class:`~.sse.EventFramer`): a partial
-tail is held back, so an error event appended after a mid-stream failure always parses.
+tail is held back, so an error event appended after a mid-stream failure always parses. One
+event may not grow past the buffer's limit either: the stream then ends with an error.
 """
 
 from __future__ import annotations
@@ -27,59 +29,14 @@ import trio
 
 from . import outcomes
 from .asgi import Headers, Reply
+from .buffers import BufferBudget, RelayBuffer, RelayOverflow
 from .legs import UpstreamCall, status_failure
 from .outcomes import LegFailure
 from .request import Attempt, Request
 from .response_headers import passed_on, with_default
-from .sse import EventFramer
+from .sse import EventFramer, EventTooLarge
 from .transport import body_chunks
 from .upstream import AnswerTooLarge, read_capped
-
-
-class RelayOverflow(Exception):
-    """The client fell more than the buffer's limit behind the engine."""
-
-
-class RelayBuffer:
-    """Bytes from the reader to the writer; never blocks the reader."""
-
-    __slots__ = ("_chunks", "_closed", "_limit", "_size", "_wakeup", "failure")
-
-    def __init__(self, limit: int) -> None:
-        self._chunks: list[bytes] = []
-        self._size = 0
-        self._limit = limit
-        self._closed = False
-        self._wakeup = trio.Event()
-        #: Set by the reader when the stream failed; the writer ends with an error event.
-        self.failure: LegFailure | None = None
-
-    def put(self, data: bytes) -> None:
-        """Append bytes (never blocks). Raises :class:`RelayOverflow` past the limit."""
-        self._chunks.append(data)
-        self._size += len(data)
-        self._wakeup.set()
-        if self._size > self._limit:
-            raise RelayOverflow(f"client is more than {self._limit} bytes behind")
-
-    def close(self, failure: LegFailure | None = None) -> None:
-        """No more data; ``failure`` says why the stream ended early. The first close wins."""
-        if not self._closed:
-            self._closed = True
-            self.failure = failure
-            self._wakeup.set()
-
-    async def take(self) -> bytes | None:
-        """Everything pending as one ``bytes``, or ``None`` once closed and drained."""
-        while not self._chunks:
-            if self._closed:
-                return None
-            await self._wakeup.wait()
-            self._wakeup = trio.Event()
-        data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
-        self._chunks.clear()
-        self._size = 0
-        return data
 
 
 class IdleDeadline:
@@ -152,6 +109,7 @@ class DecodeRelay:
         first_byte_limit: float,
         stream_timeout: httpx.Timeout,
         max_buffered_bytes: int,
+        budget: BufferBudget,
         release_at_headers: bool = False,
     ) -> None:
         self._client = client
@@ -165,25 +123,29 @@ class DecodeRelay:
             pool=stream_timeout.pool,
         )
         self._max_buffered_bytes = max_buffered_bytes
+        self._budget = budget
         #: Test-only: reproduce the historic bug (decode load released when headers arrive).
         self._release_at_headers = release_at_headers
 
     async def run(self, req: Request, attempt: Attempt, call: UpstreamCall) -> Reply | LegFailure:
         head = _Head()
-        buffer = RelayBuffer(self._max_buffered_bytes)
+        buffer = RelayBuffer(self._max_buffered_bytes, self._budget)
         req.decode_sent()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._read, req, attempt, call, head, buffer)
-            await head.ready.wait()
-            if head.failure is not None:
-                return head.failure
-            # Stepped before the send: once it is under way the client may have the head.
-            req.stream_started()
-            headers = with_default(head.headers, b"cache-control", b"no-cache")
-            await req.down.start(200, [*headers, *attempt.routing_headers()])
-            while (data := await buffer.take()) is not None:
-                await req.down.chunk(data)
-        return buffer.failure or Reply.tail()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read, req, attempt, call, head, buffer)
+                await head.ready.wait()
+                if head.failure is not None:
+                    return head.failure
+                # Stepped before the send: once it is under way the client may have the head.
+                req.stream_started()
+                headers = with_default(head.headers, b"cache-control", b"no-cache")
+                await req.down.start(200, [*headers, *attempt.routing_headers()])
+                while (data := await buffer.take()) is not None:
+                    await req.down.chunk(data)
+            return buffer.failure or Reply.tail()
+        finally:
+            buffer.discard()
 
     async def _read(
         self,
@@ -230,6 +192,8 @@ class DecodeRelay:
             buffer.close(req.record_failure(outcomes.client_too_slow(stage, ep, str(exc))))
         except AnswerTooLarge as exc:  # an error answer (before the head) past the cap
             head.fail(req.record_failure(outcomes.invalid(stage, ep, str(exc))))
+        except EventTooLarge as exc:  # an upstream line that never ends: not held without limit
+            buffer.close(req.record_failure(outcomes.invalid(stage, ep, str(exc))))
         except httpx.HTTPError as exc:
             failure = req.record_failure(outcomes.transport_failure(stage, ep, exc))
             if head.ready.is_set():  # mid-stream: the client gets an error event
@@ -264,7 +228,7 @@ class DecodeRelay:
             head.fail(req.record_failure(failure))
             return
         head.open(with_default(passed_on(resp.headers), b"content-type", b"text/event-stream"))
-        framer = EventFramer()
+        framer = EventFramer(self._max_buffered_bytes)
         taken = False
         async for chunk in body_chunks(resp):
             idle.touch()

@@ -22,6 +22,7 @@ import trio
 from . import errors, sse
 from .asgi import Downstream, Headers, Reply
 from .endpoints import Endpoint
+from .hypercorn_fixes import Connection
 from .lifecycle import Event, KvEvent, KvOwner, Lifecycle, outcome
 from .load import Lease
 from .outcomes import LegFailure, Verdict
@@ -96,6 +97,7 @@ class Request:
         "_outcomes",
         "_prefill_sent_at",
         "attempt",
+        "connection",
         "down",
         "failure",
         "inf",
@@ -109,9 +111,17 @@ class Request:
         "upstream_errors",
     )
 
-    def __init__(self, inf: Inference, down: Downstream, outcomes: OutcomeSink) -> None:
+    def __init__(
+        self,
+        inf: Inference,
+        down: Downstream,
+        outcomes: OutcomeSink,
+        connection: Connection | None = None,
+    ) -> None:
         self.inf = inf
         self.down = down
+        #: The client's connection, when served by hypercorn (cut if the client stalls).
+        self.connection = connection
         self._outcomes = outcomes
         self.life = Lifecycle()
         self.started = trio.current_time()
@@ -193,6 +203,16 @@ class Request:
 
     def client_left(self) -> None:
         self.life.step(Event.CLIENT_LEFT)
+
+    def stalled(self) -> None:
+        """The client accepted nothing for too long (:mod:`.stalls`): end the request and cut
+        its connection, which also ends a send blocked on it."""
+        if self.life.allows(Event.CLIENT_STALLED):
+            self.life.step(Event.CLIENT_STALLED)
+        if self.scope is not None:
+            self.scope.cancel()
+        if self.connection is not None:
+            self.connection.cut()
 
     def shut_down(self) -> bool:
         """The router's shutdown deadline: end the request now, if its answer is not decided.

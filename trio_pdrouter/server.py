@@ -14,18 +14,25 @@ import httpx
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
-from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.typing import Framework
 
 from .admission import Admission
 from .app import RouterApp
 from .breaker import Breakers
+from .buffers import BufferBudget
 from .cluster_sync import ClusterSync, connect, exchange_timeout
 from .config import ClusterSettings, RouterConfig
 from .endpoints import Role, normalize_url
 from .engine_truth import EngineTruth
 from .fleet import Fleet, MachineServers
 from .health import HealthBoard
+from .hypercorn_fixes import (
+    close_connections_when_clients_leave,
+    expose_connections,
+    serve_http1_only,
+)
+from .kube_credentials import Credentials
+from .kube_discovery import credentials, follow_pods
 from .legs import BufferedDecode, PrefillLeg
 from .load import LoadLedger
 from .machine_health import PROBER_ROW, MachineVerdicts
@@ -38,6 +45,7 @@ from .proxy import Proxy
 from .rate_limit import TokenBucket
 from .relay import DecodeRelay
 from .routing import Routing
+from .stalls import StallWatch
 from .startup import wait_until_healthy
 from .stranded import KvReclaimer
 from .upstream import make_client, stream_timeout
@@ -61,32 +69,6 @@ class RunningRouter:
     app: RouterApp
     #: The separate ``/metrics`` listener's address, when ``--prometheus-port`` is set.
     metrics_url: str | None = None
-
-
-def close_connections_when_clients_leave() -> None:
-    """Make hypercorn close a connection as soon as its client has closed it.
-
-    hypercorn (0.17-0.18, trio worker) handles a client's FIN by closing the ASGI stream, but the
-    connection's task group still waits for the keep-alive idle timer, so the socket stays open,
-    half-closed, for up to ``--keep-alive-timeout-secs`` after every client that leaves. Under
-    load that is request rate x timeout file descriptors (a 500-stream soak left 182 behind).
-    Stopping the idle timer once reading has ended lets the connection close at once.
-    """
-    original = getattr(TCPServer, "_read_data", None)
-    if original is None:  # a hypercorn this was not written for: keep working, say so
-        log.warning("hypercorn changed: client-closed connections linger until keep-alive ends")
-        return
-    if getattr(original, "_closes_idle_timer", False):
-        return
-
-    async def _read_data(self: TCPServer) -> None:
-        try:
-            await original(self)
-        finally:
-            await self.idle_task.stop()
-
-    _read_data._closes_idle_timer = True  # type: ignore[attr-defined]
-    TCPServer._read_data = _read_data  # type: ignore[method-assign]
 
 
 def hypercorn_config(config: RouterConfig) -> HypercornConfig:
@@ -199,6 +181,8 @@ def build_app(
         bucket = TokenBucket(config.admission.max_concurrent_requests, rate, trio.current_time())
     admission = Admission(config.admission, bucket)
     metrics.watch_admission(lambda: admission.queued)
+    budget = BufferBudget(config.max_total_buffered_bytes)
+    metrics.watch_buffers(lambda: budget.total)
     t = config.timeouts
     proxy = Proxy(
         config,
@@ -214,6 +198,7 @@ def build_app(
             first_byte_limit=t.first_byte_limit,
             stream_timeout=stream_timeout(t),
             max_buffered_bytes=config.max_buffered_bytes,
+            budget=budget,
             release_at_headers=config.release_decode_at_headers,
         ),
         reclaimer=KvReclaimer(
@@ -271,7 +256,8 @@ async def run_router(
     router binds its ports itself.
 
     First waits for the configured servers to be healthy (:mod:`.startup`); raises
-    :class:`~.startup.StartupTimeout` when they are not in time.
+    :class:`~.startup.StartupTimeout` when they are not in time, and
+    :class:`~.kube_credentials.NoCredentials` when ``--service-discovery`` has no API server.
 
     Shutdown: once the trigger returns, the router stops accepting connections and lets the
     requests in flight finish for ``--graceful-timeout-secs``; then it ends each one whose
@@ -281,11 +267,15 @@ async def run_router(
     hold sends that nothing can cancel.
     """
     close_connections_when_clients_leave()
+    serve_http1_only()
+    expose_connections()
     async with make_client(config) as client:
         urls = [url for urls in config.servers().values() for url in urls]
         await wait_until_healthy(client, [normalize_url(url) for url in urls], config.health)
+        prober = not isinstance(ledger, MachineLedger) or ledger.row == PROBER_ROW
+        kube = credentials(config) if prober else None
         async with trio.open_nursery() as nursery:
-            seat = (ledger, listen_fd, metrics_fd)
+            seat = (ledger, listen_fd, metrics_fd, kube)
             await _run(
                 config, client, nursery, shutdown_trigger, exit_by_deadline, seat, task_status
             )
@@ -297,12 +287,13 @@ async def _run(
     nursery: trio.Nursery,
     shutdown_trigger: Callable[[], Awaitable[None]] | None,
     exit_by_deadline: bool,
-    seat: tuple[LoadLedger | None, int | None, int | None],
+    seat: tuple[LoadLedger | None, int | None, int | None, Credentials | None],
     task_status: trio.TaskStatus[RunningRouter],
 ) -> None:
     """The router over ``client``, its background work in ``nursery``, until shutdown;
-    ``seat`` is a worker's (ledger, listen_fd, metrics_fd), all None for a single process."""
-    ledger, listen_fd, metrics_fd = seat
+    ``seat`` is a worker's (ledger, listen_fd, metrics_fd), all None for a single process, and
+    the Kubernetes credentials of the machine's one pod watcher."""
+    ledger, listen_fd, metrics_fd, kube = seat
     hc = hypercorn_config(config)
     if listen_fd is not None:
         hc.bind = [f"fd://{listen_fd}"]
@@ -311,6 +302,8 @@ async def _run(
         _maintain_policies, app.routing, config.policy_settings.eviction_interval_secs
     )
     nursery.start_soon(app.fleet.follow, FOLLOW_INTERVAL)
+    if config.server.write_timeout > 0:
+        nursery.start_soon(StallWatch(config.server.write_timeout, app.proxy.in_flight).run)
     if app.engine_truth is not None:
         nursery.start_soon(app.engine_truth.run)
     if config.health.interval_secs > 0 and app.verdicts is not None:
@@ -319,6 +312,8 @@ async def _run(
         await nursery.start(app.health.run, client)
     if app.peers is not None:
         await nursery.start(_sync_cluster, config.cluster, app)
+    if kube is not None:
+        await nursery.start(follow_pods, config, kube, app.fleet, app.metrics.registry, nursery)
     metrics_url = None
     if config.prometheus_port is not None:
         metrics_binds: list[str] = await nursery.start(

@@ -62,6 +62,29 @@ class ServerSettings:
             choices=WORKER_SOCKETS,
         ),
     )
+    body_timeout: float = setting(
+        60.0,
+        Flag(
+            "--request-body-timeout-secs",
+            Group.LISTENING,
+            "a request body must arrive whole within this time, else 408 and the connection"
+            " closes (a body trickled byte by byte holds no slot forever)",
+            type=float,
+        ),
+        check=positive,
+    )
+    write_timeout: float = setting(
+        30.0,
+        Flag(
+            "--client-write-timeout-secs",
+            Group.LISTENING,
+            "a client that accepts no byte of its answer for this long is cut off: its request"
+            " ends (outcome client_stalled) and its connection closes; 0: never",
+            type=float,
+        ),
+        check=must(lambda v: v >= 0, "must be 0 (never) or more"),
+    )
+    #: The request line plus headers, counted as they arrived (a larger head gets 431).
     max_header_bytes: int = 64 * 1024
 
 

@@ -6,8 +6,8 @@ default, on the field it will set once the feature exists, and ``refused=`` sayi
 refused and what to use instead (see :mod:`trio_pdrouter.flags`). Given with a value other than
 its default, the router exits 2 with one message naming every such flag.
 
-Kubernetes discovery (issue 20) and KV events (issue 21) are planned: their implementers move the
-section where it belongs and drop ``refused=``.
+KV events (issue 21) are planned: their implementer moves the section where it belongs and drops
+``refused=`` (as Kubernetes discovery did: :mod:`trio_pdrouter.discovery_settings`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,6 @@ import attrs
 
 from .flags import Flag, Group, setting
 
-DISCOVERY = (
-    "Kubernetes service discovery is not implemented yet (issue 20); list the servers with"
-    " --worker-urls or --prefill/--decode, or add them at run time with POST /workers"
-)
 ZMQ_DISCOVERY = (
     "vLLM's ZMQ service discovery is not implemented; list the servers with --prefill/--decode,"
     " or add them at run time with POST /workers"
@@ -49,61 +45,11 @@ def _tuple(values: list[str] | None) -> tuple[str, ...]:
     return tuple(values or ())
 
 
-def _selector(spelling: str, help: str) -> tuple[str, ...]:
-    return setting(
-        (),
-        Flag(
-            spelling,
-            Group.REFUSED,
-            help,
-            nargs="+",
-            metavar="KEY=VALUE",
-            parse=_tuple,
-            refused=DISCOVERY,
-        ),
-    )
-
-
 @attrs.frozen
-class DiscoverySettings:
-    """vllm-router's Kubernetes pod discovery and vLLM's ZMQ registration (refused)."""
+class ZmqDiscoverySettings:
+    """vLLM's ZMQ registration of PD workers (refused; Kubernetes discovery is
+    :mod:`trio_pdrouter.discovery_settings`)."""
 
-    enabled: bool = setting(
-        False,
-        Flag(
-            "--service-discovery",
-            Group.REFUSED,
-            "discover workers from Kubernetes pods",
-            action="store_true",
-            refused=DISCOVERY,
-        ),
-    )
-    selector: tuple[str, ...] = _selector("--selector", "label selector of worker pods")
-    port: int = setting(
-        80,
-        Flag(
-            "--service-discovery-port",
-            Group.REFUSED,
-            "port of discovered pods",
-            type=int,
-            refused=DISCOVERY,
-        ),
-    )
-    namespace: str | None = setting(
-        None,
-        Flag(
-            "--service-discovery-namespace",
-            Group.REFUSED,
-            "namespace to watch (default: all)",
-            refused=DISCOVERY,
-        ),
-    )
-    prefill_selector: tuple[str, ...] = _selector(
-        "--prefill-selector", "label selector of prefill pods (PD mode)"
-    )
-    decode_selector: tuple[str, ...] = _selector(
-        "--decode-selector", "label selector of decode pods (PD mode)"
-    )
     vllm_discovery_address: str | None = setting(
         None,
         Flag(
