@@ -22,7 +22,19 @@ from typing import Any
 
 import orjson
 
-from . import caps, cluster, memory, overhead, paced, radix_tree, relay, report, routing, workers
+from . import (
+    caps,
+    cluster,
+    kv_aware,
+    memory,
+    overhead,
+    paced,
+    radix_tree,
+    relay,
+    report,
+    routing,
+    workers,
+)
 from .common import Context, Progress
 
 
@@ -44,6 +56,7 @@ SCENARIOS: dict[str, tuple[Callable[[Context], dict[str, Any]], Callable[[str], 
     "radix_tree": (_radix, _radix_estimate),
     "cluster": (cluster.run, cluster.estimate),
     "workers": (workers.run, workers.estimate),
+    "kv_aware": (kv_aware.run, kv_aware.estimate),
     "caps": (caps.run, caps.estimate),
 }
 

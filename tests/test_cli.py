@@ -286,7 +286,6 @@ def test_a_refused_flag_given_its_default_is_accepted() -> None:
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
-        (["--policy", "kv_aware"], "--policy kv_aware"),
         (["--decode-policy", "sticky_least_loaded"], "--decode-policy sticky_least_loaded"),
         (["--kv-connector", "mooncake"], "--kv-connector mooncake"),
         (["--kv-connector", "moriio"], "--kv-connector moriio"),
@@ -351,7 +350,7 @@ def test_a_launch_command_with_every_vllm_router_flag_exits_2_with_one_message()
         lines[0] == "trio-pdrouter: error: vllm-router flags that trio-pdrouter does not support:"
     )
     named = {name.split()[0] for line in lines[1:] for name in line.split(": ", 1)[0].split(", ")}
-    refused = {option.spelling for option in REFUSED} | {"--policy", "--kv-connector"}
+    refused = {option.spelling for option in REFUSED} | {"--kv-connector"}
     refused.add("--decode-policy")
     assert named == refused & given
 

@@ -61,6 +61,7 @@ def test_make_policy_knows_every_name() -> None:
         "power_of_two",
         "consistent_hash",
         "cache_aware",
+        "kv_aware",
     }
     for name in POLICY_NAMES:
         policy = make_policy(

@@ -25,10 +25,12 @@ from .engine_truth import EngineTruth
 from .errors import RouterError
 from .fleet import DuplicateServer, Fleet
 from .health import HealthBoard, Verdicts
+from .kv_subscriber import KvEvents
 from .load import LoadLedger
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .peers import PeerLoads, cluster_view
 from .policies.routing_key import routing_key
+from .prompt_tokens import PromptTokens
 from .proxy import Proxy
 from .record import RequestRecord, access_line
 from .request import Inference
@@ -62,8 +64,9 @@ class RouterApp:
 
     Every collaborator is given here: the fleet (servers), routing (candidates), the ledger
     (``/get_loads``), the proxy (inference), the upstream client (``/v1/models``), metrics,
-    the health board, engine truth (None when ``--engine-metrics-interval`` is 0) and the
-    peers' loads (None without ``--cluster-url``).
+    the health board, engine truth (None when ``--engine-metrics-interval`` is 0), the
+    peers' loads (None without ``--cluster-url``), the KV-event subscriber (None without
+    ``--kv-event-source``) and the prompt tokenizer calls (None without a ``kv_aware`` stage).
     """
 
     def __init__(
@@ -80,6 +83,8 @@ class RouterApp:
         engine_truth: EngineTruth | None,
         peers: PeerLoads | None,
         verdicts: Verdicts | None,
+        kv_events: KvEvents | None,
+        tokens: PromptTokens | None,
     ) -> None:
         self._config = config
         self._cors = Cors(config.cors_allowed_origins)
@@ -98,6 +103,10 @@ class RouterApp:
         self.peers = peers
         #: With --workers N, in every worker but the prober: the verdicts health follows.
         self.verdicts = verdicts
+        #: The KV-event subscriber (--kv-event-source), run by run_router; and the tokenizer
+        #: calls kv_aware needs before routing.
+        self.kv_events = kv_events
+        self._tokens = tokens
         self.routes: dict[str, dict[str, Handler]] = {
             "/health": {"GET": self._health},
             "/healthcheck": {"GET": self._health},  # vLLM's PD proxy example serves this one
@@ -107,6 +116,7 @@ class RouterApp:
             "/workers": {"GET": self._workers, "POST": self._add_worker},
             "/v1/models": {"GET": self._models},
             "/metrics": {"GET": self._metrics},
+            "/debug/kv-index": {"GET": self._kv_index},
         }
         for path in ROUTES:
             self.routes[path] = {"POST": self._inference}
@@ -224,6 +234,9 @@ class RouterApp:
         if _nested_deeper_than(body, MAX_JSON_DEPTH):
             raise BadRequest(errors.bad_request(f"JSON nested deeper than {MAX_JSON_DEPTH} levels"))
         stream = body.get("stream", False)
+        key = routing_key(body, headers)
+        if self._tokens is not None:
+            key = await self._tokens.key_with_tokens(body, key)
         return Inference(
             path=route.path,
             route=route,
@@ -231,7 +244,7 @@ class RouterApp:
             headers=headers,
             stream=stream,
             request_id=pd.request_id(headers, self._config.request_id_headers),
-            key=routing_key(body, headers),
+            key=key,
         )
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -257,6 +270,10 @@ class RouterApp:
         if self.peers is not None:
             loads["cluster"] = cluster_view(self.ledger.snapshot(), self.peers)
         await _reply(send, Reply.json(orjson.dumps(loads)))
+
+    async def _kv_index(self, scope: Scope, receive: Receive, send: Send) -> None:
+        rows = self.kv_events.snapshot() if self.kv_events is not None else []
+        await _reply(send, Reply.json(orjson.dumps({"engines": rows})))
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = self.metrics.exposition()

@@ -17,6 +17,7 @@ from .discovery_settings import DiscoverySettings
 from .endpoints import Endpoint, Role, expand, normalize_url
 from .flags import ConfigError as ConfigError
 from .flags import Flag, Group, must, positive, section, setting
+from .kv_sources import KvEventSettings
 from .policies import POLICY_NAMES, PolicySettings
 from .settings import (
     AdmissionSettings,
@@ -28,11 +29,9 @@ from .settings import (
     Timeouts,
 )
 from .unsupported import (
-    KV_EVENTS,
     OTHER_CONNECTORS,
     STICKY_LEAST_LOADED,
     ExtensionSettings,
-    KvEventSettings,
     ZmqDiscoverySettings,
 )
 
@@ -52,7 +51,7 @@ KV_CONNECTORS = ("nixl", "p2p_nccl")
 TRANSPORTS = ("h11", "httpx")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 #: vllm-router's policies that trio-pdrouter does not have, with the reason and the alternative.
-REFUSED_POLICIES = {"kv_aware": KV_EVENTS, "sticky_least_loaded": STICKY_LEAST_LOADED}
+REFUSED_POLICIES = {"sticky_least_loaded": STICKY_LEAST_LOADED}
 
 
 def _upstream_urls(instance: Any, field: attrs.Attribute[Any], urls: tuple[str, ...]) -> None:
@@ -368,9 +367,9 @@ class RouterConfig:
         ),
         check=must(lambda s: s >= 0, "must be 0 (off) or a positive number"),  # refuses NaN
     )
+    kv_events: KvEventSettings = section(KvEventSettings)
     # -- vllm-router flags for what is not implemented (see trio_pdrouter.unsupported)
     zmq_discovery: ZmqDiscoverySettings = section(ZmqDiscoverySettings)
-    kv_events: KvEventSettings = section(KvEventSettings)
     extensions: ExtensionSettings = section(ExtensionSettings)
 
     def __attrs_post_init__(self) -> None:

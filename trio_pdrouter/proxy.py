@@ -183,7 +183,8 @@ class Proxy:
         rid = req.inf.request_id
         if not self._config.pd:
             lease, decode = self._routing.lease_one(Role.REGULAR, key, avoid_urls)
-            return Attempt(number, None, decode, lease, rid)
+            kv = self._routing.kv_note(Role.REGULAR)
+            return Attempt(number, None, decode, lease, rid, kv_note=kv)
         if not req.inf.route.split:  # nothing to generate, nothing to split: one decode server
             lease, decode = self._routing.lease_one(Role.DECODE, key, avoid_urls)
             return Attempt(number, None, decode, lease, rid)
@@ -192,9 +193,10 @@ class Proxy:
             lease, decode = self._routing.lease_one(Role.DECODE, key, avoid_urls)
             return Attempt(number, last.prefill, decode, lease, last.request_id, reuses_kv=True)
         lease, prefill, decode = self._routing.lease_pd(key, avoid_urls)
+        kv = self._routing.kv_note(Role.PREFILL)
         if self._config.kv_connector == "p2p_nccl":
             rid = pd.p2p_nccl_request_id(prefill, decode)
-        return Attempt(number, prefill, decode, lease, rid)
+        return Attempt(number, prefill, decode, lease, rid, kv_note=kv)
 
     async def _attempt(self, req: Request, attempt: Attempt) -> Reply | LegFailure:
         inf = req.inf

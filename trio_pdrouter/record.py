@@ -37,6 +37,8 @@ class RequestRecord:
     #: Every upstream failure seen, as (stage, endpoint key, kind); kind is ``connect``,
     #: ``timeout``, ``reset``, ``status_<code>`` or ``invalid``.
     upstream_errors: list[tuple[str, str, str]] = attrs.Factory(list)
+    #: ``kv_aware``'s view of its choice: blocks matched/total and whether the state was known.
+    kv: str | None = None
 
 
 def access_line(rec: RequestRecord) -> str:
@@ -56,7 +58,8 @@ def access_line(rec: RequestRecord) -> str:
         ("bytes", str(rec.bytes_out)),
         ("retries", str(rec.retries)),
     )
-    return " ".join(f"{key}={value}" for key, value in fields)
+    line = " ".join(f"{key}={value}" for key, value in fields)
+    return f"{line} kv={rec.kv}" if rec.kv is not None else line
 
 
 def _quoted(value: str) -> str:

@@ -68,6 +68,8 @@ class Attempt:
     lease: Lease
     request_id: str
     reuses_kv: bool = False
+    #: ``kv_aware``'s view of its choice (``matched/total;known``), when it chose.
+    kv_note: str | None = None
 
     @property
     def stage(self) -> str:
@@ -81,12 +83,14 @@ class Attempt:
     def routing_headers(self) -> Headers:
         """Response headers that explain the decision: the request id and the endpoints."""
         rid = (b"x-request-id", self.request_id.encode("latin-1", "replace"))
+        kv = [(b"x-trio-pdrouter-kv", self.kv_note.encode())] if self.kv_note else []
         if self.prefill is None:
-            return [rid, (b"x-trio-pdrouter-worker", self.decode.key.encode())]
+            return [rid, (b"x-trio-pdrouter-worker", self.decode.key.encode()), *kv]
         return [
             rid,
             (b"x-trio-pdrouter-prefill", self.prefill.key.encode()),
             (b"x-trio-pdrouter-decode", self.decode.key.encode()),
+            *kv,
         ]
 
 
@@ -270,6 +274,7 @@ class Request:
             self.started,
             prefill=attempt.prefill.key if attempt and attempt.prefill else None,
             decode=attempt.decode.key if attempt else None,
+            kv=attempt.kv_note if attempt else None,
             status=down.status,
             outcome=outcome(self.life.phase, failure_kind),
             prefill_ms=self.prefill_ms,

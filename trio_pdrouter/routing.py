@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from .endpoints import Endpoint, Role
 from .load import Lease, LoadLedger
 from .peers import PeerLoads
-from .policies import Policy, RoutingKey
+from .policies import KvDecision, Policy, RoutingKey
 
 
 class NoHealthyEndpoint(Exception):
@@ -102,6 +102,12 @@ class Routing:
         with self._ledger.charging():
             endpoint = self.choose(role, key, avoid_urls)
             return self._ledger.lease(endpoint), endpoint
+
+    def kv_note(self, role: Role) -> str | None:
+        """What the ``kv_aware`` policy of ``role`` saw in its last decision (None for other
+        policies); read right after a lease, in the same synchronous step."""
+        last = getattr(self._policies.get(role), "last", None)
+        return last.note() if isinstance(last, KvDecision) else None
 
     def maintain(self) -> bool:
         """One slice of every policy's housekeeping; True while any has more to do."""

@@ -33,6 +33,8 @@ from .hypercorn_fixes import (
 )
 from .kube_credentials import Credentials
 from .kube_discovery import credentials, follow_pods
+from .kv_metrics import KvCollector
+from .kv_sources import kv_events_for
 from .legs import BufferedDecode, PrefillLeg
 from .load import LoadLedger
 from .machine_health import PROBER_ROW, MachineVerdicts
@@ -41,6 +43,7 @@ from .metrics import MetricsApp, RouterMetrics
 from .peers import PeerLoads
 from .policies import make_policy
 from .prefix_ring import PrefixFeed
+from .prompt_tokens import PromptTokens
 from .proxy import Proxy
 from .rate_limit import TokenBucket
 from .relay import DecodeRelay
@@ -123,6 +126,10 @@ def build_app(
         on_change=lambda ep, old, new: metrics.breaker_state(ep.key, new),
     )
     rng = random.Random()
+    every = [ep for endpoints in config.endpoints().values() for ep in endpoints]
+    kv = kv_events_for(config.kv_events, config.policy_settings, every)
+    if kv is not None:
+        metrics.registry.register(KvCollector(kv))
 
     def feed(role: Role) -> PrefixFeed | None:
         """With ``--workers N``: the machine's prefix rings, so every worker's tree learns all."""
@@ -139,6 +146,7 @@ def build_app(
             on_decision=metrics.policy_decision,
             rng=rng,
             feed=feed(role),
+            kv=kv,
         )
         for role in config.servers()
     }
@@ -216,6 +224,11 @@ def build_app(
         truth = EngineTruth(
             fleet.endpoints, ledger, client, config.engine_metrics_interval, metrics, peers
         )
+    tokens = None  # kv_aware routes on token ids: an engine tokenizes text and chat
+    kv_roles = [role for role in config.servers() if config.stage_policy(role) == "kv_aware"]
+    if kv_roles:
+        at = lambda: sorted({ep.url for ep in routing.candidates(kv_roles[0])})  # noqa: E731
+        tokens = PromptTokens(client, at, api_key=config.upstream_api_key)
     return RouterApp(
         config,
         fleet=fleet,
@@ -228,6 +241,8 @@ def build_app(
         engine_truth=truth,
         peers=peers,
         verdicts=None if prober else verdicts,
+        kv_events=kv,
+        tokens=tokens,
     )
 
 
@@ -302,6 +317,8 @@ async def _run(
         _maintain_policies, app.routing, config.policy_settings.eviction_interval_secs
     )
     nursery.start_soon(app.fleet.follow, FOLLOW_INTERVAL)
+    if app.kv_events is not None:
+        await nursery.start(app.kv_events.run)
     if config.server.write_timeout > 0:
         nursery.start_soon(StallWatch(config.server.write_timeout, app.proxy.in_flight).run)
     if app.engine_truth is not None:

@@ -6,8 +6,8 @@ default, on the field it will set once the feature exists, and ``refused=`` sayi
 refused and what to use instead (see :mod:`trio_pdrouter.flags`). Given with a value other than
 its default, the router exits 2 with one message naming every such flag.
 
-KV events (issue 21) are planned: their implementer moves the section where it belongs and drops
-``refused=`` (as Kubernetes discovery did: :mod:`trio_pdrouter.discovery_settings`).
+Kubernetes discovery and KV events were refused here until implemented; they live in
+:mod:`trio_pdrouter.discovery_settings` and :mod:`trio_pdrouter.kv_sources`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,6 @@ from .flags import Flag, Group, setting
 ZMQ_DISCOVERY = (
     "vLLM's ZMQ service discovery is not implemented; list the servers with --prefill/--decode,"
     " or add them at run time with POST /workers"
-)
-KV_EVENTS = (
-    "routing on vLLM's KV events (kv_aware) is not implemented yet (issue 21); use --policy"
-    " cache_aware, which tracks each engine's prefixes from the prompts routed to it"
 )
 STICKY_LEAST_LOADED = (
     "sticky_least_loaded is not implemented; consistent_hash keeps a session on one endpoint,"
@@ -58,55 +54,6 @@ class ZmqDiscoverySettings:
             "ZMQ address where vLLM workers register (PD mode)",
             refused=ZMQ_DISCOVERY,
         ),
-    )
-
-
-def _event_sources(spelling: str, help: str) -> tuple[str, ...]:
-    return setting(
-        (),
-        Flag(
-            spelling,
-            Group.REFUSED,
-            help,
-            action="append",
-            metavar="URL=ENDPOINT[,ENDPOINT...]",
-            parse=_tuple,
-            refused=KV_EVENTS,
-        ),
-    )
-
-
-@attrs.frozen
-class KvEventSettings:
-    """Static sources of vLLM's KV events for the ``kv_aware`` policy (refused)."""
-
-    sources: tuple[str, ...] = _event_sources(
-        "--kv-event-source", "ZMQ KV event endpoints of a worker; repeat per worker"
-    )
-    replay_sources: tuple[str, ...] = _event_sources(
-        "--kv-event-replay-source", "ZMQ replay endpoints matching a worker's event source"
-    )
-    block_size: int = setting(
-        16,
-        Flag(
-            "--kv-event-block-size",
-            Group.REFUSED,
-            "KV block size of static event sources",
-            type=int,
-            refused=KV_EVENTS,
-        ),
-    )
-    model: str | None = setting(
-        None,
-        Flag(
-            "--kv-event-model",
-            Group.REFUSED,
-            "model identity shared by workers with static event sources",
-            refused=KV_EVENTS,
-        ),
-    )
-    pd_sources: tuple[str, ...] = _event_sources(
-        "--pd-kv-events", "KV event endpoints of a prefill worker (PD mode), one per DP rank"
     )
 
 

@@ -24,6 +24,9 @@ Routes:
 ``GET/POST/DELETE /sim/faults``  armed faults (see :mod:`trio_pdrouter_sim.faults`)
 ``POST /sim/down``         close the listener (``{"seconds": S}``: reopen after S s)
 ``POST /sim/kv/pull``      NIXL stand-in, called by decode simulators
+``POST /tokenize``         vLLM's tokenizer: ``{prompt}`` or ``{messages}`` -> ``{tokens}``
+``GET/POST /sim/kv/events``  KV-event publishers per rank (blocks held, next seq); POST
+                           ``{"drop": N}`` or ``{"restart": true}`` (see :mod:`.kv_events`)
 =========================  ======================================================
 """
 
@@ -46,7 +49,8 @@ from .config import SimConfig
 from .engine import Engine, block_hashes
 from .faults import FaultBook, FaultPlan, plan_for
 from .kv import PULL_PATH, KvStore, pull_remote
-from .requests import BadRequest, GenRequest, Kind, parse_request
+from .kv_events import KvPublishers
+from .requests import BadRequest, GenRequest, Kind, parse_request, tokenize
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -78,7 +82,26 @@ class SimState:
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config
-        self.engines = [Engine(rank, config) for rank in range(config.dp_size)]
+        #: KV events (``--kv-events-port``): one publisher per engine.
+        self.kv_events = (
+            KvPublishers(
+                host=config.host,
+                dp_size=config.dp_size,
+                block_size=config.block_size,
+                pub_port=config.kv_events_port,
+                replay_port=config.kv_replay_port,
+                layout="array" if config.kv_events_layout == "array" else "map",
+                buffer=config.kv_events_buffer,
+                join_delay_s=config.kv_events_join_delay_s,
+            )
+            if config.kv_events_port is not None
+            else None
+        )
+        journals = self.kv_events.journals if self.kv_events is not None else None
+        self.engines = [
+            Engine(rank, config, journals[rank] if journals else None)
+            for rank in range(config.dp_size)
+        ]
         self.kv = KvStore(f"sim-{uuid.uuid4().hex[:12]}", config.kv_timeout_s)
         self.faults = FaultBook(config.faults)
         self.rng = random.Random(config.seed)
@@ -326,6 +349,8 @@ class SimApp:
                 "DELETE": self._faults_delete,
             },
             "/sim/down": {"POST": self._down},
+            "/tokenize": {"POST": self._tokenize},
+            "/sim/kv/events": {"GET": self._kv_events_get, "POST": self._kv_events_post},
             PULL_PATH: {"POST": self._kv_pull},
         }
         by_method = routes.get(path)
@@ -397,6 +422,37 @@ class SimApp:
         clear = isinstance(body, dict) and body.get("prefix_cache") is True
         self.state.reset(prefix_cache=clear)
         await _send_json(send, 200, {"ok": True})
+
+    async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        cfg = self.state.config
+        tokens = tokenize(await self._json_body(receive), cfg.chars_per_token)
+        await _send_json(
+            send, 200, {"count": len(tokens), "max_model_len": cfg.max_model_len, "tokens": tokens}
+        )
+
+    async def _kv_events_get(self, scope: Scope, receive: Receive, send: Send) -> None:
+        publishers = self.state.kv_events
+        ranks = publishers.describe() if publishers is not None else []
+        for row, engine in zip(ranks, self.state.engines, strict=False):
+            row["blocks"] = len(engine.cache)
+        await _send_json(send, 200, {"ranks": ranks})
+
+    async def _kv_events_post(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Fault knobs: ``{"drop": N}`` loses the next N batches of every rank on the wire;
+        ``{"restart": true}`` restarts every rank's engine (empty cache, seq from 0)."""
+        body = await self._json_body(receive)
+        publishers = self.state.kv_events
+        if publishers is None or not isinstance(body, dict):
+            raise BadRequest('KV events are off, or the body is not {"drop": N, "restart": B}')
+        drop = body.get("drop", 0)
+        if isinstance(drop, bool) or not isinstance(drop, int) or drop < 0:
+            raise BadRequest("drop must be a non-negative integer", param="drop")
+        for journal, engine in zip(publishers.journals, self.state.engines, strict=True):
+            journal.faults.drop_next += drop
+            if body.get("restart") is True:
+                journal.restart()
+                engine.cache.clear(publish=False)
+        await self._kv_events_get(scope, receive, send)
 
     async def _faults_get(self, scope: Scope, receive: Receive, send: Send) -> None:
         await _send_json(send, 200, self.state.faults.describe())
@@ -609,7 +665,7 @@ class SimApp:
                 prefill_s += engine.prefill_seconds(n_prompt - cached)
             if prefill_s > 0:
                 await trio.sleep(prefill_s)
-            engine.cache.insert(hashes)
+            engine.cache.insert(hashes, req.prompt.ids)
 
             if req.remote_decode:
                 result = await self._prefill_only(engine, req, plan, scope, cached, emit)

@@ -198,6 +198,37 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error"],
         help=f"log level (default {d.log_level}); info also shows hypercorn's own log",
     )
+    p.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=None,
+        help="publish vLLM's KV events: PUB port of DP rank 0, rank r on port+r, bound on"
+        " --host (0: any free port per rank; default: off)",
+    )
+    p.add_argument(
+        "--kv-replay-port",
+        type=int,
+        default=None,
+        help="replay ROUTER port of DP rank 0, rank r on port+r (default: no replay)",
+    )
+    p.add_argument(
+        "--kv-events-layout",
+        choices=("map", "array"),
+        default=d.kv_events_layout,
+        help="events as tagged maps (current vLLM) or positional arrays (vLLM <= 0.23)",
+    )
+    p.add_argument(
+        "--kv-events-buffer",
+        type=int,
+        default=d.kv_events_buffer,
+        help=f"batches kept for replay (vLLM's buffer_steps; default {d.kv_events_buffer})",
+    )
+    p.add_argument(
+        "--kv-events-join-delay-s",
+        type=float,
+        default=d.kv_events_join_delay_s,
+        help="seconds after start whose batches are not sent live (a slow joiner; default 0)",
+    )
     return p
 
 

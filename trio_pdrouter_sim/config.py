@@ -78,6 +78,16 @@ class SimConfig:
     keep_alive_timeout_s: float = attrs.field(default=5.0, validator=_non_negative)
     series_window_s: float = attrs.field(default=600.0, validator=_non_negative)
     log_level: str = "warning"
+    #: KV events (:mod:`.kv_events`): PUB port of rank 0 (rank r: +r; 0: any free port per
+    #: rank; None: no events), replay ROUTER port likewise, payload layout, batches kept for
+    #: replay, and seconds after start whose batches are not sent live (the slow joiner).
+    kv_events_port: int | None = None
+    kv_replay_port: int | None = None
+    kv_events_layout: str = attrs.field(
+        default="map", validator=attrs.validators.in_(("map", "array"))
+    )
+    kv_events_buffer: int = attrs.field(default=10_000, validator=_positive)
+    kv_events_join_delay_s: float = attrs.field(default=0.0, validator=_non_negative)
 
     @classmethod
     def fast(cls, **overrides: object) -> SimConfig:

@@ -22,6 +22,7 @@ import attrs
 import trio
 
 from .config import SimConfig
+from .kv_events import KvJournal
 
 
 class PrefixCache:
@@ -29,15 +30,23 @@ class PrefixCache:
 
     A prompt's blocks are hashed as a chain (each hash covers the whole prefix up to that
     block, as vLLM does), so a hit on block ``n`` implies the whole prefix matched. Only full
-    blocks are cached.
+    blocks are cached. With a ``journal`` every change is also published as KV events (one
+    batch per :meth:`insert` or :meth:`clear`, see :mod:`.kv_events`).
     """
 
-    def __init__(self, capacity_blocks: int) -> None:
+    def __init__(
+        self, capacity_blocks: int, block_size: int = 16, journal: KvJournal | None = None
+    ) -> None:
         self.capacity = capacity_blocks
+        self.block_size = block_size
+        self.journal = journal
         self._blocks: OrderedDict[int, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._blocks
 
     def match(self, hashes: Sequence[int]) -> int:
         """Number of leading ``hashes`` present; those blocks become most recently used."""
@@ -49,17 +58,49 @@ class PrefixCache:
             hits += 1
         return hits
 
-    def insert(self, hashes: Sequence[int]) -> None:
-        """Remember ``hashes`` as most recently used, evicting the least recently used."""
-        for h in hashes:
+    def insert(self, hashes: Sequence[int], ids: Sequence[int] = ()) -> None:
+        """Remember ``hashes`` (the blocks of token ``ids``) as most recently used, evicting
+        the least recently used."""
+        journal = self.journal
+        run: list[int] = []
+        for i, h in enumerate(hashes):
+            if journal is not None and h not in self._blocks:
+                run.append(i)
+            elif run and journal is not None:
+                self._publish_run(hashes, ids, run)
+                run = []
             self._blocks[h] = None
             self._blocks.move_to_end(h)
+        if run and journal is not None:
+            self._publish_run(hashes, ids, run)
+        evicted: list[int] = []
         while len(self._blocks) > self.capacity:
-            self._blocks.popitem(last=False)
+            evicted.append(self._blocks.popitem(last=False)[0])
+        if journal is not None:
+            if evicted:
+                journal.removed(evicted)
+            journal.step()
 
-    def clear(self) -> None:
-        """Forget every block."""
+    def _publish_run(self, hashes: Sequence[int], ids: Sequence[int], run: list[int]) -> None:
+        assert self.journal is not None
+        bs = self.block_size
+        first, last = run[0], run[-1]
+        self.journal.stored(
+            [hashes[i] for i in run],
+            hashes[first - 1] if first > 0 else None,
+            ids[first * bs : (last + 1) * bs],
+        )
+
+    def clear(self, *, publish: bool = True) -> None:
+        """Forget every block (``publish=False``: silently, as a restarted engine starts)."""
         self._blocks.clear()
+        if self.journal is not None and publish:
+            self.journal.cleared()
+            self.journal.step()
+
+    def held(self) -> list[int]:
+        """Every cached block, least recently used first."""
+        return list(self._blocks)
 
 
 def block_hashes(ids: Sequence[int], block_size: int) -> list[int]:
@@ -100,13 +141,13 @@ class _Waiter:
 class Engine:
     """One data-parallel rank. See the module docstring for the state machine."""
 
-    def __init__(self, rank: int, config: SimConfig) -> None:
+    def __init__(self, rank: int, config: SimConfig, journal: KvJournal | None = None) -> None:
         self.rank = rank
         self.config = config
         self.running = 0
         self._waiters: deque[_Waiter] = deque()
         self.counters = EngineCounters()
-        self.cache = PrefixCache(config.prefix_cache_blocks)
+        self.cache = PrefixCache(config.prefix_cache_blocks, config.block_size, journal)
         #: Blocks held for a remote decode (prefill side of NIXL), not yet pulled.
         self.kv_blocks_held = 0
         #: Blocks of the requests now running.

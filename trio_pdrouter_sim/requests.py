@@ -290,3 +290,15 @@ def parse_request(
         remote_prefill=remote_prefill,
         remote_prefill_invalid=invalid,
     )
+
+
+def tokenize(body: Any, chars_per_token: int) -> list[int]:
+    """``POST /tokenize``: the token ids a completion ``prompt`` or chat ``messages`` become,
+    the same ids the engine caches (and publishes in its KV events) for that request."""
+    if not isinstance(body, dict):
+        raise BadRequest("Request body must be a JSON object")
+    if "messages" in body:
+        return list(prompt_from_text(_chat_text(body["messages"]), chars_per_token).ids)
+    if "prompt" in body:
+        return list(_completion_prompt(body["prompt"], chars_per_token).ids)
+    raise BadRequest("prompt or messages: Field required", param="prompt")

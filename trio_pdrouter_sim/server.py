@@ -65,6 +65,8 @@ class SimServer:
             self.state.request_down = self.down
             self.state.started_at = trio.current_time()
             nursery.start_soon(self._sample_forever)
+            if self.state.kv_events is not None:
+                nursery.start_soon(self.state.kv_events.run)
             port = self.config.port
             started = False
             while True:

@@ -9,6 +9,7 @@ from ..endpoints import Endpoint
 from ._base import DecisionObserver, Policy, PolicySettings, RoutingKey
 from .cache_aware import CacheAware, InsertFeed
 from .consistent_hash import ConsistentHash
+from .kv_aware import KvAware, KvDecision, KvView
 from .power_of_two import PowerOfTwo
 from .radix_tree import RadixTree
 from .random import Random
@@ -21,6 +22,9 @@ __all__ = [
     "ConsistentHash",
     "DecisionObserver",
     "InsertFeed",
+    "KvAware",
+    "KvDecision",
+    "KvView",
     "Policy",
     "PolicySettings",
     "PowerOfTwo",
@@ -32,7 +36,14 @@ __all__ = [
     "routing_key",
 ]
 
-POLICY_NAMES = ("round_robin", "random", "power_of_two", "consistent_hash", "cache_aware")
+POLICY_NAMES = (
+    "round_robin",
+    "random",
+    "power_of_two",
+    "consistent_hash",
+    "cache_aware",
+    "kv_aware",
+)
 
 
 def make_policy(
@@ -44,14 +55,16 @@ def make_policy(
     endpoints: Sequence[Endpoint] = (),
     rng: _random.Random | None = None,
     feed: InsertFeed | None = None,
+    kv: KvView | None = None,
 ) -> Policy:
     """Build the policy called ``name`` for one stage over ``endpoints``.
 
     ``stage`` ("prefill", "decode" or "regular") labels the policy's log lines and decisions;
     ``on_decision`` is told ``(stage, reason)`` for every decision of a policy that gives
-    reasons (``cache_aware``); ``rng`` is the only source of randomness (pass a seeded one for
-    reproducible tests); ``feed`` shares ``cache_aware``'s prefix-tree inserts with the
-    machine's other workers (``--workers N``).
+    reasons (``cache_aware``, ``kv_aware``); ``kv`` is what ``kv_aware`` reads of the KV
+    events (None: it uses its estimate only); ``feed`` shares ``cache_aware``'s prefix-tree
+    inserts with the machine's other workers (``--workers N``); ``rng`` is the only source of
+    randomness (pass a seeded one for reproducible tests).
     """
     rng = rng or _random.Random()
     policy: Policy
@@ -65,6 +78,8 @@ def make_policy(
         policy = ConsistentHash(rng, virtual_nodes=settings.virtual_nodes)
     elif name == "cache_aware":
         policy = CacheAware(settings, rng, stage=stage, on_decision=on_decision, feed=feed)
+    elif name == "kv_aware":
+        policy = KvAware(settings, rng, stage=stage, on_decision=on_decision, view=kv)
     else:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
     policy.set_endpoints(endpoints)

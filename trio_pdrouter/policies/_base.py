@@ -25,10 +25,14 @@ class RoutingKey:
     ``consistent_hash`` uses (from ``X-Session-ID``/``X-User-ID``/``X-Tenant-ID`` headers, then the
     body's ``session_id``/``user``); ``None`` when the request carries none.
     :func:`trio_pdrouter.policies.routing_key` builds one from a parsed body and its headers.
+    ``tokens`` are the prompt's token ids as the engine sees them, when known (a token-id
+    prompt, or the engine's ``/tokenize`` answer when ``kv_aware`` asked for it); ``None``
+    otherwise.
     """
 
     text: str = ""
     hash_key: str | None = None
+    tokens: tuple[int, ...] | None = None
 
 
 def _kv_penalty(spelling: str, tier: str) -> Flag:
@@ -97,14 +101,14 @@ class PolicySettings:
         ),
         check=positive,
     )
-    # kv_aware's knobs, with vllm-router's defaults and checks. kv_aware itself is refused until
-    # KV events exist (issue 21); with any other policy they change nothing, as in vllm-router.
+    # kv_aware's knobs, with vllm-router's defaults and checks; with any other policy they
+    # change nothing, as in vllm-router.
     router_temperature: float = setting(
         0.0,
         Flag(
             "--router-temperature",
             Group.ROUTING_POLICY,
-            "kv_aware: softmax temperature over endpoint costs in regular mode (0: the cheapest);"
+            "kv_aware: softmax temperature over endpoint scores (0: the best, ties at random);"
             " no effect on other policies",
             type=float,
         ),

@@ -13,6 +13,8 @@ two requests that share a prompt share a key whatever their settings.
 * ``hash_key``: the first non-empty header of ``X-Session-ID``, ``X-User-ID``, ``X-Tenant-ID``
   (any case), then the body's ``session_id`` (string or integer), then ``user`` (string only).
 
+* ``tokens``: a token-id prompt's ids (``prompt`` or ``token_ids``, a batch of one included).
+
 Fields are read from the parsed body; the raw JSON is never searched.
 """
 
@@ -22,7 +24,7 @@ from collections.abc import Mapping
 
 from ._base import RoutingKey
 
-__all__ = ["HASH_KEY_HEADERS", "routing_key", "routing_text"]
+__all__ = ["HASH_KEY_HEADERS", "prompt_tokens", "routing_key", "routing_text"]
 
 HASH_KEY_HEADERS = ("x-session-id", "x-user-id", "x-tenant-id")
 
@@ -107,10 +109,29 @@ def _hash_key(body: Mapping[str, object], headers: Mapping[str, str]) -> str | N
     return None
 
 
+def _int_tokens(given: object) -> tuple[int, ...] | None:
+    if isinstance(given, list) and len(given) == 1 and isinstance(given[0], list):
+        given = given[0]  # a batch of one
+    if isinstance(given, list) and given and all(type(t) is int and t >= 0 for t in given):
+        return tuple(given)
+    return None
+
+
+def prompt_tokens(body: Mapping[str, object]) -> tuple[int, ...] | None:
+    """The token ids of a token-id prompt (``prompt`` or ``token_ids``), else ``None``."""
+    if "prompt" in body:
+        return _int_tokens(body["prompt"])
+    if "token_ids" in body:
+        return _int_tokens(body["token_ids"])
+    return None
+
+
 def routing_key(body: Mapping[str, object], headers: Mapping[str, str]) -> RoutingKey:
     """The :class:`RoutingKey` of a parsed request body and its headers (see the module doc).
 
     >>> routing_key({"prompt": "hi", "user": "u1"}, {"X-Session-ID": "s9"})
-    RoutingKey(text='hi', hash_key='s9')
+    RoutingKey(text='hi', hash_key='s9', tokens=None)
     """
-    return RoutingKey(text=routing_text(body), hash_key=_hash_key(body, headers))
+    return RoutingKey(
+        text=routing_text(body), hash_key=_hash_key(body, headers), tokens=prompt_tokens(body)
+    )

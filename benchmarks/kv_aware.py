@@ -1,0 +1,223 @@
+"""PD under prefill cache pressure: ``kv_aware`` against ``cache_aware`` and vllm-router (issue 21).
+
+Two prefill simulators (each engine's prefix cache holds about 6 of the 32 prefix groups, so
+the fleet holds about 12) publish vLLM's KV events; one decode simulator; prefill costs
+0.4 ms per uncached token, so a miss costs about 200 ms of TTFT. Closed loops of 64 streaming
+clients. Each configuration runs with one router, then with two replicas behind the clients
+split in half (what a round-robin Service gives clients that keep their connections).
+Figures from the simulators' truth: the prefill prefix-hit rate (cached / prompt tokens), and
+the load generator's TTFT p50/p99 and req/s.
+First, in front of warm engines (10 prefix groups sent twice through a first router: each
+engine holds about 5): a router started fresh (its estimate empty; ``kv_aware`` replays the
+engines' buffered events) takes 100 requests drawn from those groups, and the hit rate over
+those is compared. Then, idle: ``/debug/kv-index`` block counts against ``/sim/kv/events``.
+
+vllm-router 0.1.17's own ``kv_aware`` needs ``sha256_cbor`` engine hashes with
+``PYTHONHASHSEED=0``, which the simulator does not mimic: it is compared as ``cache_aware``.
+
+``python -m benchmarks --only kv_aware``
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import httpx
+
+from .common import Context, percentile
+from .procs import LoadRun, ProcessSet, Service, start_router, start_sim
+
+PROFILES = {"quick": {"seconds": 12, "repeats": 1}, "full": {"seconds": 40, "repeats": 2}}
+CLIENTS = 64
+BLOCK = 16
+LOAD = [
+    "--stream", "--max-tokens", "32", "--max-tokens-min", "16", "--prefix-chars", "2000",
+    "--hot-groups", "0", "--cold-groups", "32", "--suffix-chars", "64", "--warmup", "2",
+]  # fmt: skip
+
+
+def estimate(profile: str) -> float:
+    p = PROFILES[profile]
+    return float(p["repeats"] * 6 * (p["seconds"] + 8) + 60)
+
+
+def _prefill_flags() -> list[str]:
+    return [
+        "--role", "prefill", "--fast", "--prefill-per-token-s", "0.0004",
+        "--prefix-cache-blocks", "190", "--kv-events-port", "0", "--kv-replay-port", "0",
+    ]  # fmt: skip
+
+
+def _sources(client: httpx.Client, prefill: list[Service]) -> list[str]:
+    flags: list[str] = []
+    for sim in prefill:
+        row = client.get(sim.url + "/sim/kv/events").json()["ranks"][0]
+        flags += ["--kv-event-source", f"{sim.url}={row['endpoint']}"]
+        flags += ["--kv-event-replay-source", f"{sim.url}={row['replay_endpoint']}"]
+    return flags
+
+
+def _hits(client: httpx.Client, prefill: list[Service]) -> tuple[int, int]:
+    hits = queries = 0
+    for sim in prefill:
+        totals = client.get(sim.url + "/sim/stats").json()["totals"]
+        hits += int(totals["prefix_cache_hits"])
+        queries += int(totals["prefix_cache_queries"])
+    return hits, queries
+
+
+def _router_flags(kind: str, policy: str, prefill: list[Service], decode: Service) -> list[str]:
+    flags = ["--vllm-pd-disaggregation"]
+    for sim in prefill:
+        flags += ["--prefill", sim.url]
+    flags += ["--decode", decode.url, "--prefill-policy", policy, "--decode-policy", "round_robin"]
+    return flags
+
+
+def _one(
+    ctx: Context,
+    procs: ProcessSet,
+    client: httpx.Client,
+    sims: tuple[list[Service], Service],
+    kind: str,
+    policy: str,
+    replicas: int,
+) -> dict[str, Any]:
+    prefill, decode = sims
+    for sim in [*prefill, decode]:
+        client.post(sim.url + "/sim/reset", json={"prefix_cache": True})
+    flags = _router_flags(kind, policy, prefill, decode)
+    if policy == "kv_aware":
+        flags += _sources(client, prefill)
+    routers = [start_router(procs, f"{kind}-{policy}-{i}", kind, flags) for i in range(replicas)]
+    seconds = str(PROFILES[ctx.profile]["seconds"])
+    try:
+        runs = [
+            LoadRun(
+                procs,
+                f"load-{kind}-{policy}-{replicas}-{i}",
+                ["--url", r.url, "--seconds", seconds, *LOAD],
+                concurrency=CLIENTS // replicas,
+                watch=None,
+            )
+            for i, r in enumerate(routers)
+        ]
+        results = [run.wait(timeout=float(seconds) + 120) for run in runs]
+        hits, queries = _hits(client, prefill)
+    finally:
+        for r in routers:
+            procs.stop(r)
+    ttfb = [t for res in results for t in res["ttfb"]]
+    window = max(res["window_s"] for res in results)
+    return {
+        "router": kind,
+        "policy": policy,
+        "replicas": replicas,
+        "hit_rate": hits / queries if queries else 0.0,
+        "ttfb_p50_ms": percentile(ttfb, 0.5) * 1000,
+        "ttfb_p99_ms": percentile(ttfb, 0.99) * 1000,
+        "req_per_s": sum(res["ok"] for res in results) / window if window else 0.0,
+        "failed": sum(res["failed"] for res in results),
+    }
+
+
+def _restart(
+    procs: ProcessSet, client: httpx.Client, sims: tuple[list[Service], Service], policy: str
+) -> dict[str, Any]:
+    """A fresh router in front of warm engines: the hit rate over its first 100 requests."""
+    prefill, decode = sims
+    flags = _router_flags("ours", policy, prefill, decode)
+    if policy == "kv_aware":
+        flags += _sources(client, prefill)
+    router = start_router(procs, f"restart-{policy}", "ours", flags)
+    rng = random.Random(7)
+    prefixes = [f"[group {g}] " + " ".join(["alpha"] * 400) for g in range(32)]
+    groups = rng.sample(range(32), 10)  # what the engines hold: 5 groups each fit
+    try:
+        for sim in prefill:
+            client.post(sim.url + "/sim/reset", json={"prefix_cache": True})
+        for g in groups * 2:  # warm the engines through a first router, then restart it
+            client.post(
+                router.url + "/v1/completions",
+                json={"prompt": prefixes[g] + f" w{rng.random()}", "max_tokens": 1},
+            )
+        procs.stop(router)
+        router = start_router(procs, f"restart-{policy}-2", "ours", flags)
+        before = _hits(client, prefill)
+        for i in range(100):
+            g = groups[rng.randrange(len(groups))]
+            client.post(
+                router.url + "/v1/completions",
+                json={"prompt": prefixes[g] + f" r{i}", "max_tokens": 1},
+                timeout=30.0,
+            )
+        after = _hits(client, prefill)
+    finally:
+        procs.stop(router)
+    queries = after[1] - before[1]
+    return {"policy": policy, "hit_rate_first_100": (after[0] - before[0]) / (queries or 1)}
+
+
+def _idle_check(
+    procs: ProcessSet, client: httpx.Client, sims: tuple[list[Service], Service]
+) -> dict[str, Any]:
+    prefill, decode = sims
+    flags = _router_flags("ours", "kv_aware", prefill, decode) + _sources(client, prefill)
+    router = start_router(procs, "idle-kv", "ours", flags)
+    try:
+        for i in range(50):
+            client.post(
+                router.url + "/v1/completions",
+                json={"prompt": f"[idle {i % 9}] " + "beta " * 300, "max_tokens": 1},
+            )
+        index = {r["url"]: r for r in client.get(router.url + "/debug/kv-index").json()["engines"]}
+        truth = {
+            s.url: client.get(s.url + "/sim/kv/events").json()["ranks"][0]["blocks"]
+            for s in prefill
+        }
+    finally:
+        procs.stop(router)
+    return {
+        "index_blocks": {u: index[u]["blocks"] for u in truth},
+        "sim_blocks": truth,
+        "known": all(index[u]["known"] for u in truth),
+        "equal": all(index[u]["blocks"] == truth[u] for u in truth),
+    }
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    p = PROFILES[ctx.profile]
+    procs = ProcessSet(ctx.log_dir / "kv_aware")
+    client = httpx.Client(timeout=10.0)
+    result: dict[str, Any] = {"scenario": "kv_aware", "profile": ctx.profile, "notes": []}
+    configs = [("ours", "cache_aware"), ("ours", "kv_aware")]
+    if ctx.vllm_router:
+        configs.append(("vllm", "cache_aware"))
+    else:
+        result["notes"].append(ctx.note_vllm_missing())
+    try:
+        ctx.progress.phase("starting simulators")
+        prefill = [start_sim(procs, f"sim-prefill-{i}", *_prefill_flags()) for i in range(2)]
+        decode = start_sim(
+            procs, "sim-decode", "--role", "decode", "--fast", "--itl-base-s", "0.02"
+        )
+        sims = (prefill, decode)
+        # First, while the engines' replay buffers still reach back to seq 0.
+        ctx.progress.phase("restart in front of warm engines")
+        result["restart"] = [
+            _restart(procs, client, sims, pol) for pol in ("cache_aware", "kv_aware")
+        ]
+        ctx.progress.phase("idle: index against the simulators")
+        result["idle"] = _idle_check(procs, client, sims)
+        rows = []
+        for rep in range(p["repeats"]):
+            for kind, policy in configs:
+                for replicas in (1, 2):
+                    ctx.progress.phase(f"{kind} {policy} x{replicas} (run {rep + 1})")
+                    rows.append(_one(ctx, procs, client, sims, kind, policy, replicas))
+        result["configs"] = rows
+    finally:
+        client.close()
+        procs.close()
+    return result

@@ -1,0 +1,187 @@
+"""Model-based test of the KV-event feed: the index never credits what the engine dropped.
+
+The model is the set of blocks the engine holds (with copies), after each published batch. A
+Hypothesis state machine drives the simulator's :class:`~trio_pdrouter_sim.kv_events.KvJournal`
+(the publisher: numbering, a small replay buffer) and delivers its batches to a
+:class:`~trio_pdrouter.kv_feed.Feed`: stores (duplicate copies included), removes, clears, lost
+batches, replays served or failed, probes, and restarts (announced by their first batch, seq 0:
+a restart whose first batches are all lost is not detectable from sequence numbers).
+
+Invariants after every rule, for the engine as of the feed's ``last_seq``:
+
+* known: the index holds exactly the engine's blocks, copy for copy;
+* always: every block the index holds, the engine holds (never false credit).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from trio_pdrouter.kv_feed import Feed
+from trio_pdrouter.kv_index import BlockIndex, block_keys
+from trio_pdrouter.kv_wire import Batch, Event, decode_payload
+from trio_pdrouter_sim.kv_events import KvJournal
+
+BS = 2
+PROMPTS = [(1, 2, 3, 4, 5, 6), (1, 2, 3, 4, 9, 9), (7, 7, 1, 2), (1, 2)]
+
+
+class RecordingIndex(BlockIndex):
+    """Remembers the events it applied last (to know which engine process they came from)."""
+
+    last_events: object = None
+
+    def apply(self, events: Iterable[Event]) -> None:
+        self.last_events = events
+        super().apply(events)
+
+
+class FeedMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.journal = KvJournal(0, BS, pub=None, buffer=4)
+        self.index = RecordingIndex(BS, {"GPU": 1.0}, budget=10_000)
+        self.feed = Feed(self.index, can_replay=True)
+        self.gen = 0
+        #: id of a decoded batch's events -> (engine process, seq); the batches are kept alive.
+        self.origin: dict[int, tuple[int, int]] = {}
+        self.decoded: list[Batch] = []
+        self.truths: dict[int, dict[int, Counter[int]]] = {0: {}}
+        #: block id -> (parent block id or None, its tokens, own key); copies held.
+        self.blocks: dict[int, tuple[int | None, tuple[int, ...], int]] = {}
+        self.copies: Counter[int] = Counter()
+        self.truth: dict[int, Counter[int]] = {}
+        self.asked: int | None = None
+        self._next_id = 1
+
+    def _decode(self, payload: bytes, seq: int) -> Batch:
+        batch = decode_payload(payload, seq)
+        self.decoded.append(batch)
+        self.origin[id(batch.events)] = (self.gen, seq)
+        return batch
+
+    # -- the engine ---------------------------------------------------------------------
+
+    def _publish(self, deliver: bool) -> None:
+        seq = self.journal.next_seq
+        self.journal.step()
+        if self.journal.next_seq == seq:
+            return
+        self.truths[self.gen][seq] = Counter(
+            {self.blocks[b][2]: n for b, n in self.copies.items() if n > 0}
+        )
+        if deliver:
+            payload = self.journal.buffer[-1][1]
+            self._ask(self.feed.live(self._decode(payload, seq)))
+
+    def _ask(self, start: int | None) -> None:
+        assert start == self.feed.wanted or start is None
+        self.asked = self.feed.wanted
+
+    @rule(prompt=st.sampled_from(PROMPTS), duplicate=st.booleans(), deliver=st.booleans())
+    def store(self, prompt: tuple[int, ...], duplicate: bool, deliver: bool) -> None:
+        keys = block_keys(prompt, BS)
+        parent: int | None = None
+        run: list[int] = []
+        run_parent: int | None = None
+        for i, key in enumerate(keys):
+            tokens = prompt[i * BS : (i + 1) * BS]
+            existing = next(
+                (b for b, (p, t, _) in self.blocks.items() if p == parent and t == tokens), None
+            )
+            if existing is not None and self.copies[existing] > 0 and not duplicate:
+                if run:
+                    self._store_run(run, run_parent)
+                    run = []
+                parent = existing
+                continue
+            block = existing if existing is not None else self._new_block(parent, tokens, key)
+            if not run:
+                run_parent = parent
+            run.append(block)
+            self.copies[block] += 1
+            parent = block
+        if run:
+            self._store_run(run, run_parent)
+        self._publish(deliver)
+
+    def _new_block(self, parent: int | None, tokens: tuple[int, ...], key: int) -> int:
+        block = self._next_id
+        self._next_id += 1
+        self.blocks[block] = (parent, tokens, key)
+        return block
+
+    def _store_run(self, run: list[int], parent: int | None) -> None:
+        tokens = [t for b in run for t in self.blocks[b][1]]
+        self.journal.stored(run, parent, tokens)
+
+    @precondition(lambda self: any(n > 0 for n in self.copies.values()))
+    @rule(data=st.data(), deliver=st.booleans())
+    def remove(self, data: st.DataObject, deliver: bool) -> None:
+        held = sorted(b for b, n in self.copies.items() if n > 0)
+        block = data.draw(st.sampled_from(held))
+        self.copies[block] -= 1
+        self.journal.removed([block])
+        self._publish(deliver)
+
+    @rule(deliver=st.booleans())
+    def clear(self, deliver: bool) -> None:
+        self.copies.clear()
+        self.journal.cleared()
+        self._publish(deliver)
+
+    @rule(prompt=st.sampled_from(PROMPTS))
+    def restart(self, prompt: tuple[int, ...]) -> None:
+        self.journal.restart()
+        self.copies.clear()
+        self.blocks.clear()
+        self.gen += 1
+        self.truths[self.gen] = {}
+        self.store(prompt, duplicate=False, deliver=True)
+
+    # -- the router's side --------------------------------------------------------------
+
+    @precondition(lambda self: self.asked is not None)
+    @rule()
+    def serve_replay(self) -> None:
+        assert self.asked is not None
+        start = self.asked
+        frames = self.journal.replay_frames(start)
+        batches = [
+            self._decode(payload, int.from_bytes(seq, "big", signed=True))
+            for _, _, seq, payload in frames[:-1]
+        ]
+        self._ask(self.feed.replayed(start, batches))
+
+    @precondition(lambda self: self.asked is not None)
+    @rule()
+    def fail_replay(self) -> None:
+        assert self.asked is not None
+        self._ask(self.feed.replay_failed(self.asked))
+
+    @precondition(lambda self: self.asked is None)
+    @rule()
+    def probe(self) -> None:
+        self._ask(self.feed.probe())
+
+    # -- invariants ---------------------------------------------------------------------
+
+    @invariant()
+    def never_false_credit(self) -> None:
+        held = Counter(self.index.held_keys())
+        if self.index.last_events is None:
+            assert not held
+            return
+        gen, seq = self.origin[id(self.index.last_events)]
+        truth = self.truths[gen][seq]
+        assert set(held) <= set(truth), (held, truth)
+        if self.feed.known:
+            assert gen == self.gen and seq == self.feed.last_seq
+            assert held == truth
+
+
+TestFeedMachine = FeedMachine.TestCase

@@ -1,0 +1,84 @@
+"""The exact block index of one engine: chain keys, copies, tiers, budget, credit."""
+
+from __future__ import annotations
+
+from trio_pdrouter.kv_index import BlockIndex, block_keys
+from trio_pdrouter.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored
+
+BS = 4
+WEIGHTS = {"GPU": 1.0, "CPU": 0.5}
+
+
+def stored(
+    hashes: list[int], parent: int | None, tokens: list[int], medium: str = "GPU"
+) -> BlockStored:
+    return BlockStored(tuple(hashes), parent, tuple(tokens), BS, medium, True)
+
+
+def removed(hashes: list[int], medium: str = "GPU") -> BlockRemoved:
+    return BlockRemoved(tuple(hashes), medium)
+
+
+TOKENS = list(range(12))
+KEYS = block_keys(TOKENS, BS)
+
+
+def test_a_chain_stored_in_two_events_matches_the_requests_keys() -> None:
+    index = BlockIndex(BS, WEIGHTS, budget=100)
+    index.apply([stored([1, 2], None, TOKENS[:8]), stored([3], 2, TOKENS[8:])])
+    assert index.match(KEYS) == (3, 3.0)
+    assert index.match(block_keys([*TOKENS[:8], 99, 99, 99, 99], BS)) == (2, 2.0)
+    assert index.match(block_keys([7, *TOKENS[1:]], BS)) == (0, 0.0)
+
+
+def test_a_duplicate_copy_is_held_until_its_last_remove() -> None:
+    index = BlockIndex(BS, WEIGHTS, budget=100)
+    index.apply([stored([1], None, TOKENS[:4]), stored([1], None, TOKENS[:4])])
+    index.apply([removed([1])])
+    assert index.match(KEYS) == (1, 1.0)
+    index.apply([removed([1])])
+    assert index.match(KEYS) == (0, 0.0) and len(index) == 0
+
+
+def test_an_unknown_parent_is_skipped_never_guessed() -> None:
+    index = BlockIndex(BS, WEIGHTS, budget=100)
+    index.apply([stored([3], 2, TOKENS[8:])])
+    assert len(index) == 0 and index.skipped == 1
+
+
+def test_tiers_are_weighted_and_removed_separately() -> None:
+    index = BlockIndex(BS, WEIGHTS, budget=100)
+    index.apply([stored([1, 2], None, TOKENS[:8]), stored([1, 2], None, TOKENS[:8], "CPU")])
+    index.apply([removed([2])])
+    assert index.match(KEYS[:2]) == (2, 1.5)  # block 2 only on CPU now
+    index.apply([removed([1, 2], "CPU"), removed([1])])
+    assert index.match(KEYS) == (0, 0.0)
+
+
+def test_clear_and_wrong_block_sizes() -> None:
+    index = BlockIndex(BS, WEIGHTS, budget=100)
+    index.apply([BlockStored((1,), None, tuple(range(16)), 16, "GPU", True)])
+    assert index.skipped == 1
+    index.apply([stored([1], None, TOKENS[:4]), AllBlocksCleared()])
+    assert len(index) == 0
+
+
+def test_the_budget_drops_the_oldest_entries_first() -> None:
+    index = BlockIndex(BS, WEIGHTS, budget=2)
+    index.apply([stored([1, 2, 3], None, TOKENS)])
+    assert len(index) == 2 and index.evicted == 1
+    assert index.match(KEYS) == (0, 0.0)  # the root went first: no credit past it
+    assert set(index.held_keys()) == set(KEYS[1:])
+
+
+def test_a_hundred_thousand_blocks_fit() -> None:
+    index = BlockIndex(16, WEIGHTS, budget=100_000)
+    tokens = list(range(16 * 1000))
+    for run in range(120):
+        index.apply([stored_run(run, tokens)])
+    assert len(index) == 100_000 and index.evicted == 20_000
+
+
+def stored_run(run: int, tokens: list[int]) -> BlockStored:
+    first = run * 1000
+    return BlockStored(tuple(range(first + 1, first + 1001)), None, tuple(tokens), 16, "GPU", True)

@@ -1,0 +1,248 @@
+"""The KV-event subscriber over real ZMQ sockets on 127.0.0.1: live, gaps, replay, loss, DP."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import trio
+import zmq
+
+from trio_pdrouter.kv_index import block_keys
+from trio_pdrouter.kv_subscriber import EventSource, KvEvents
+from trio_pdrouter_sim.engine import PrefixCache, block_hashes
+from trio_pdrouter_sim.kv_events import KvJournal, serve_replay
+
+BS = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Engine:
+    """A publisher: an LRU prefix cache whose changes go out on a bound PUB socket."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], rank: int, buffer: int) -> None:
+        self.pub_port, self.replay_port = free_port(), free_port()
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.bind(f"tcp://127.0.0.1:{self.pub_port}")
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.bind(f"tcp://127.0.0.1:{self.replay_port}")
+        self.journal = KvJournal(rank, BS, pub=self.pub, buffer=buffer)
+        self.cache = PrefixCache(8, BS, self.journal)
+
+    def prefill(self, tokens: list[int]) -> None:
+        self.cache.insert(block_hashes(tokens, BS), tokens)
+
+    def source(self, url: str, rank: int | None, *, replay: bool = True) -> EventSource:
+        return EventSource(
+            url,
+            rank,
+            f"tcp://127.0.0.1:{self.pub_port}",
+            f"tcp://127.0.0.1:{self.replay_port}" if replay else None,
+        )
+
+
+async def until(check: Callable[[], bool]) -> None:
+    """Poll real state, bounded (the subscriber's sockets deliver on their own schedule)."""
+    for _ in range(500):
+        if check():
+            return
+        await trio.sleep(0.01)
+    raise AssertionError("condition never held")
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+PROMPTS = [[i] * 8 + list(range(8)) for i in range(6)]
+
+
+async def start(
+    nursery: trio.Nursery, sources: list[EventSource], ctx: zmq.Context[zmq.Socket[bytes]]
+) -> KvEvents:
+    events = KvEvents(
+        sources,
+        block_size=BS,
+        weights={"GPU": 1.0},
+        budget=1000,
+        probe_interval_s=0.05,
+        replay_timeout_s=0.3,
+        context=ctx,
+    )
+    await nursery.start(events.run)
+    return events
+
+
+def credited(events: KvEvents, url: str, tokens: list[int]) -> int:
+    feed = events.feed(url, None)
+    assert feed is not None
+    return feed.index.match(block_keys(tokens, BS))[0]
+
+
+def same_blocks(events: KvEvents, url: str, engine: Engine) -> bool:
+    feed = events.feed(url, None)
+    assert feed is not None
+    return feed.known and len(feed.index) == len(engine.cache)
+
+
+async def test_a_warm_engine_is_rebuilt_by_replay_then_followed_live(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    engine = Engine(ctx, 0, buffer=100)
+    engine.prefill(PROMPTS[0])  # before the router: only the replay has it
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_replay, engine.router, engine.journal)
+        events = await start(nursery, [engine.source("http://e", None)], ctx)
+        await until(lambda: same_blocks(events, "http://e", engine))
+        assert credited(events, "http://e", PROMPTS[0]) == 4
+        for prompt in PROMPTS[1:]:
+            engine.prefill(prompt)  # evicts: the cache holds 8 blocks
+        await until(lambda: credited(events, "http://e", PROMPTS[5]) == 4)
+        await until(lambda: same_blocks(events, "http://e", engine))
+        assert credited(events, "http://e", PROMPTS[0]) == 0  # evicted: no credit
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_lost_batch_inside_the_buffer_is_replayed(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    engine = Engine(ctx, 0, buffer=100)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_replay, engine.router, engine.journal)
+        events = await start(nursery, [engine.source("http://e", None)], ctx)
+        feed = events.feed("http://e", None)
+        assert feed is not None
+        await until(lambda: feed.known)
+        engine.journal.faults.drop_next = 2
+        engine.prefill(PROMPTS[0])
+        engine.prefill(PROMPTS[1])  # both lost live; the next one shows the gap
+        engine.prefill(PROMPTS[2])
+        await until(lambda: same_blocks(events, "http://e", engine) and feed.last_seq == 2)
+        assert feed.replays >= 1 and credited(events, "http://e", PROMPTS[1]) == 4
+        nursery.cancel_scope.cancel()
+
+
+async def test_history_beyond_the_buffer_makes_the_engine_unknown(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    engine = Engine(ctx, 0, buffer=2)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_replay, engine.router, engine.journal)
+        events = await start(nursery, [engine.source("http://e", None)], ctx)
+        feed = events.feed("http://e", None)
+        assert feed is not None
+        await until(lambda: feed.known)
+        engine.prefill(PROMPTS[0])
+        await until(lambda: feed.last_seq == 0)
+        engine.journal.faults.drop_next = 4
+        for prompt in PROMPTS[1:]:
+            engine.prefill(prompt)
+        await until(lambda: feed.last_seq == 5)
+        assert not feed.known and feed.state.value == "unknown"
+        assert credited(events, "http://e", PROMPTS[0]) == 0
+        engine.cache.clear()  # AllBlocksCleared: exact again from here
+        await until(lambda: feed.known and len(feed.index) == 0)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_restart_clears_the_engine(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    engine = Engine(ctx, 0, buffer=100)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_replay, engine.router, engine.journal)
+        events = await start(nursery, [engine.source("http://e", None)], ctx)
+        feed = events.feed("http://e", None)
+        assert feed is not None
+        for prompt in PROMPTS[:2]:
+            engine.prefill(prompt)
+        await until(lambda: same_blocks(events, "http://e", engine) and feed.last_seq == 1)
+        engine.journal.restart()
+        engine.cache = PrefixCache(8, BS, engine.journal)
+        engine.prefill(PROMPTS[3])
+        await until(lambda: feed.restarts == 1 and same_blocks(events, "http://e", engine))
+        assert credited(events, "http://e", PROMPTS[0]) == 0
+        assert credited(events, "http://e", PROMPTS[3]) == 4
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_dead_replay_source_makes_the_engine_unknown_and_serving_goes_on(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    engine = Engine(ctx, 0, buffer=100)
+    engine.prefill(PROMPTS[0])
+    engine.router.close(linger=0)  # nobody answers replays
+    async with trio.open_nursery() as nursery:
+        events = await start(nursery, [engine.source("http://e", None)], ctx)
+        feed = events.feed("http://e", None)
+        assert feed is not None
+        await until(lambda: feed.state.value == "unknown")
+        engine.prefill(PROMPTS[1])
+        await until(lambda: feed.last_seq == 1)
+        assert feed.state.value == "unknown" and len(feed.index) == 4
+        assert credited(events, "http://e", PROMPTS[0]) == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_malformed_frames_are_counted_and_ignored(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    engine = Engine(ctx, 0, buffer=100)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_replay, engine.router, engine.journal)
+        events = await start(nursery, [engine.source("http://e", None)], ctx)
+        feed = events.feed("http://e", None)
+        assert feed is not None
+        await until(lambda: feed.known)
+        engine.pub.send_multipart([b"", b"\x00" * 8, b"\xc1"])
+        engine.pub.send_multipart([b"only two", b"frames"])
+        engine.prefill(PROMPTS[0])
+        await until(lambda: events.decode_errors["http://e"] == 2 and feed.last_seq == 0)
+        assert feed.known and credited(events, "http://e", PROMPTS[0]) == 4
+        nursery.cancel_scope.cancel()
+
+
+async def test_dp_ranks_follow_their_own_endpoints(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    ranks = [Engine(ctx, 0, buffer=100), Engine(ctx, 1, buffer=100)]
+    async with trio.open_nursery() as nursery:
+        for engine in ranks:
+            nursery.start_soon(serve_replay, engine.router, engine.journal)
+        sources = [engine.source("http://e", rank) for rank, engine in enumerate(ranks)]
+        events = await start(nursery, sources, ctx)
+        ranks[1].prefill(PROMPTS[1])
+        ranks[0].prefill(PROMPTS[0])
+        feeds = [events.feed("http://e", r) for r in (0, 1)]
+        await until(lambda: all(f is not None and f.last_seq == 0 for f in feeds))
+        keys0, keys1 = (block_keys(p, BS) for p in PROMPTS[:2])
+        assert feeds[0] is not None and feeds[1] is not None
+        assert feeds[0].index.match(keys0)[0] == 4 and feeds[0].index.match(keys1)[0] == 0
+        assert feeds[1].index.match(keys1)[0] == 4 and feeds[1].index.match(keys0)[0] == 0
+        rows = {row["endpoint"]: row for row in events.snapshot()}
+        assert rows["http://e@1"]["blocks"] == 4 and rows["http://e@1"]["known"]
+        nursery.cancel_scope.cancel()
+
+
+def test_the_collector_exposes_each_engines_counts() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from trio_pdrouter.kv_metrics import KvCollector
+
+    events = KvEvents(
+        [EventSource("http://e", 1, "tcp://127.0.0.1:1")],
+        block_size=BS,
+        weights={"GPU": 1.0},
+        budget=10,
+    )
+    registry = CollectorRegistry()
+    registry.register(KvCollector(events))
+    text = generate_latest(registry).decode()
+    assert 'trio_pdrouter_kv_state_unknown{endpoint="http://e@1"} 1.0' in text
+    assert 'trio_pdrouter_kv_index_blocks{endpoint="http://e@1"} 0.0' in text
+    assert 'trio_pdrouter_kv_event_gaps_total{endpoint="http://e@1"} 0.0' in text

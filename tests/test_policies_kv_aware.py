@@ -1,0 +1,131 @@
+"""``kv_aware``: exact credit from known engines, the estimate for unknown ones, load traded."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from trio_pdrouter.endpoints import Endpoint, Role
+from trio_pdrouter.kv_index import BlockIndex
+from trio_pdrouter.kv_wire import BlockRemoved, BlockStored
+from trio_pdrouter.policies import PolicySettings, RoutingKey
+from trio_pdrouter.policies.kv_aware import KvAware
+
+BS = 4
+EPS = [Endpoint(f"http://10.0.0.{i}:8000", Role.PREFILL) for i in range(3)]
+TOKENS = tuple(range(100, 132))  # 8 blocks
+TEXT = "the prompt's routing text " * 4
+
+
+class View:
+    block_size = BS
+
+    def __init__(self) -> None:
+        self.indexes = {ep.url: BlockIndex(BS, {"GPU": 1.0, "CPU": 0.5}, 1000) for ep in EPS}
+        self.known = {ep.url: True for ep in EPS}
+
+    def index(self, url: str, rank: int | None) -> tuple[BlockIndex, bool]:
+        return self.indexes[url], self.known[url]
+
+    def store(self, ep: Endpoint, blocks: int, medium: str = "GPU") -> None:
+        hashes = tuple(range(1, blocks + 1))
+        event = BlockStored(hashes, None, TOKENS[: blocks * BS], BS, medium, True)
+        self.indexes[ep.url].apply([event])
+
+
+def make(view: View | None, seed: int = 0, **overrides: float) -> KvAware:
+    given: dict[str, float] = {"balance_abs_threshold": 32, "balance_rel_threshold": 1.5}
+    settings = PolicySettings(**{**given, **overrides})  # type: ignore[arg-type]
+    reasons: list[str] = []
+    policy = KvAware(
+        settings,
+        random.Random(seed),
+        stage="prefill",
+        on_decision=lambda _stage, reason: reasons.append(reason),
+        view=view,
+    )
+    policy.set_endpoints(EPS)
+    return policy
+
+
+KEY = RoutingKey(text=TEXT, tokens=TOKENS)
+
+
+def test_the_engine_holding_the_longest_prefix_wins_over_a_little_load() -> None:
+    view = View()
+    view.store(EPS[1], 6)
+    view.store(EPS[2], 2)
+    policy = make(view)
+    loads = {EPS[0]: 0, EPS[1]: 5, EPS[2]: 0}
+    assert policy.choose(EPS, loads, KEY) == EPS[1]
+    assert policy.last.blocks == 6 and policy.last.known and policy.last.reason == "kv_hit"
+
+
+def test_an_evicted_prefix_earns_nothing() -> None:
+    view = View()
+    view.store(EPS[1], 8)
+    view.indexes[EPS[1].url].apply([BlockRemoved((1,), "GPU")])  # the root: nothing leads
+    policy = make(view)
+    counts = Counter(policy.choose(EPS, dict.fromkeys(EPS, 0), KEY) for _ in range(60))
+    assert set(counts) == set(EPS)  # a miss everywhere: ties spread
+    assert policy.last.reason == "miss"
+
+
+def test_an_off_gpu_block_counts_its_penalty() -> None:
+    view = View()
+    view.store(EPS[0], 8, "CPU")  # 8 * 0.5 = 4 blocks' worth
+    view.store(EPS[1], 5)
+    policy = make(view)
+    assert policy.choose(EPS, dict.fromkeys(EPS, 0), KEY) == EPS[1]
+
+
+def test_an_unknown_engine_is_judged_by_the_estimate_or_its_lower_bound() -> None:
+    view = View()
+    view.store(EPS[0], 2)  # what EPS[0] stored since its loss
+    view.known[EPS[0].url] = False
+    view.known[EPS[2].url] = False
+    policy = make(view)
+    loads = dict.fromkeys(EPS, 0)
+    policy.estimate.tree.insert(TEXT, EPS[2])  # the estimate says EPS[2] saw this text
+    assert policy.choose(EPS, loads, KEY) == EPS[2]  # the estimate's full match beats 2/8
+    assert policy.last.reason == "estimate_hit" and not policy.last.known
+    view.store(EPS[0], 8)
+    fresh = make(view)
+    fresh.estimate.tree.insert(TEXT[:20], EPS[2])  # the estimate's short match: 8/8 wins
+    assert fresh.choose(EPS, loads, KEY) == EPS[0] and not fresh.last.known
+
+
+def test_without_tokens_it_decides_as_cache_aware() -> None:
+    policy = make(View())
+    policy.estimate.tree.insert(TEXT, EPS[1])
+    key = RoutingKey(text=TEXT)
+    assert policy.choose(EPS, dict.fromkeys(EPS, 0), key) == EPS[1]
+    assert policy.last.reason == "no_tokens"
+    assert make(None).choose(EPS, dict.fromkeys(EPS, 0), KEY) in EPS
+
+
+def test_unbalanced_loads_go_to_the_least_loaded() -> None:
+    view = View()
+    view.store(EPS[1], 8)
+    policy = make(view)
+    loads = {EPS[0]: 100, EPS[1]: 100, EPS[2]: 1}
+    assert policy.choose(EPS, loads, KEY) == EPS[2]
+    assert policy.last.reason == "unbalanced"
+
+
+def test_a_load_difference_past_the_threshold_outweighs_a_full_hit() -> None:
+    view = View()
+    view.store(EPS[1], 8)
+    policy = make(view, balance_rel_threshold=100.0)  # never "unbalanced"
+    loads = {EPS[0]: 40, EPS[1]: 40, EPS[2]: 0}
+    assert policy.choose(EPS, loads, KEY) == EPS[2]
+
+
+def test_temperature_spreads_choices_by_score() -> None:
+    view = View()
+    view.store(EPS[1], 8)
+    greedy = make(view)
+    assert {greedy.choose(EPS, dict.fromkeys(EPS, 0), KEY) for _ in range(30)} == {EPS[1]}
+    soft = make(view, seed=1, router_temperature=0.5)
+    counts = Counter(soft.choose(EPS, dict.fromkeys(EPS, 0), KEY) for _ in range(300))
+    assert counts[EPS[1]] > counts[EPS[0]] > 0 and counts[EPS[2]] > 0

@@ -1,0 +1,226 @@
+"""One engine's (one DP rank's) KV-event stream put in order: gaps, replays, restarts (no I/O).
+
+A :class:`Feed` owns one :class:`~.kv_index.BlockIndex` and decides, batch by batch, whether it
+is exact. Its states, as the table :data:`NEXT` the code uses::
+
+    state      next batch    gap / first seq > 0       probe                 replay     failed
+    FRESH      KNOWN (seq 0) REPLAYING from 0          REPLAYING from 0      -          -
+    KNOWN      KNOWN         REPLAYING from last+1     REPLAYING from last+1 -          -
+    REPLAYING  (buffered)    (buffered)                -                     see below  UNKNOWN
+    UNKNOWN    UNKNOWN       UNKNOWN (index cleared)   REPLAYING from 0      see below  UNKNOWN
+
+A replay is complete when its first batch is the one asked for (or, asked from 0, nothing was
+published yet): from 0 it rebuilds the index from scratch (KNOWN); from ``last+1`` it fills the
+gap (the state before it stays). Incomplete, it leaves the feed UNKNOWN. Without a replay
+source, every row's "REPLAYING" is UNKNOWN.
+
+The rules:
+
+* A batch whose seq goes backwards is a publisher restart: the index is cleared and the new
+  stream starts (KNOWN if it starts at seq 0, else a replay from 0 is asked).
+* A gap asks for a replay from the first missing seq; live batches meanwhile are buffered (at
+  most ``max_pending``; beyond, the replay is abandoned and the feed is UNKNOWN).
+* A replay whose first batch is later than asked (history no longer buffered), or that fails, or
+  no replay source at all: the index is cleared and the feed is UNKNOWN. It goes on applying
+  live batches (never false credit: every block it holds was stored after the clear, and its
+  removes are seen) but the policy does not trust it until an ``AllBlocksCleared``, a restart
+  or a complete replay makes it KNOWN again.
+* Asking for a replay is the caller's job: :meth:`Feed.live` returns the seq to ask from.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from .kv_index import BlockIndex
+from .kv_wire import AllBlocksCleared, Batch
+
+__all__ = ["Feed", "FeedState"]
+
+
+class FeedState(enum.Enum):
+    FRESH = "fresh"
+    KNOWN = "known"
+    REPLAYING = "replaying"
+    UNKNOWN = "unknown"
+
+
+class Feed:
+    """The ordered stream of one engine and rank (see the module doc).
+
+    ``can_replay`` says whether a replay source exists for it.
+    """
+
+    def __init__(self, index: BlockIndex, *, can_replay: bool, max_pending: int = 10_000) -> None:
+        self.index = index
+        self.can_replay = can_replay
+        self.max_pending = max_pending
+        self.last_seq: int | None = None
+        self.gaps = 0
+        self.replays = 0
+        self.restarts = 0
+        self._exact = False
+        self._seen = False
+        self._replay_from: int | None = None
+        self._pending: list[Batch] = []
+
+    @property
+    def state(self) -> FeedState:
+        if self._replay_from is not None:
+            return FeedState.REPLAYING
+        if self._exact:
+            return FeedState.KNOWN
+        return FeedState.UNKNOWN if self._seen else FeedState.FRESH
+
+    @property
+    def known(self) -> bool:
+        """True when the index is exactly what the engine held at ``last_seq``. A replay in
+        flight does not change that: the index lags (as it always does, by the batches in
+        transit), it does not lie."""
+        return self._exact
+
+    def live(self, batch: Batch) -> int | None:
+        """Take one live batch; returns the seq to replay from when one is needed."""
+        self._seen = True
+        if self._replay_from is not None:
+            before = self._pending[-1].seq if self._pending else self.last_seq
+            if before is not None and batch.seq <= before:
+                # A restart while we wait: the replay may answer for either process.
+                self._replay_from = None
+                self._pending = []
+                self._lose()
+            elif len(self._pending) < self.max_pending:
+                self._pending.append(batch)
+                return None
+            else:
+                self._replay_from = None  # too far behind: give up on this replay
+                self._pending = []
+                self._lose()
+        last = self.last_seq
+        if last is not None and batch.seq <= last:
+            self.restarts += 1
+            self._exact = False
+            self.index.clear()
+            self.last_seq = last = None
+        if last is None:
+            if batch.seq == 0:
+                self.index.clear()
+                self._exact = True
+                self._apply(batch)
+                return None
+            return self._need(0, batch)
+        if batch.seq == last + 1:
+            self._apply(batch)
+            return None
+        self.gaps += 1
+        return self._need(last + 1 if self._exact else 0, batch)
+
+    def probe(self) -> int | None:
+        """Ask for the history this feed may lack (at startup, then now and then): from
+        ``last_seq + 1`` when exact (finds a lost last batch), else from 0 (a complete replay
+        rebuilds the index). Returns the seq to replay from, or None."""
+        if not self.can_replay or self._replay_from is not None:
+            return None
+        start = self.last_seq + 1 if self._exact and self.last_seq is not None else 0
+        self._replay_from = start
+        return start
+
+    @property
+    def wanted(self) -> int | None:
+        """The seq a replay is wanted from (None: no replay wanted)."""
+        return self._replay_from
+
+    def replayed(self, start: int, batches: Sequence[Batch]) -> int | None:
+        """The batches, in order up to the end marker, of a replay asked from ``start`` (an
+        answer to an earlier request is ignored). The live batches buffered meanwhile are then
+        taken as :meth:`live` takes them; returns the seq to replay from if that needs another
+        replay."""
+        if start != self._replay_from:
+            return None
+        self._replay_from = None
+        self.replays += 1
+        pending, self._pending = self._pending, []
+        restarted = _restart_in(pending)
+        if restarted is not None:
+            # The publisher restarted while we waited: the replay may be of either process.
+            self._lose()
+            self.last_seq = None
+            return self._take(pending[restarted:], covered=False)
+        ordered = sorted(batches, key=lambda b: b.seq)
+        if (ordered and ordered[0].seq > start) or (not ordered and pending):
+            self._lose()  # history no longer buffered (or the publisher restarted meanwhile)
+        elif start == 0:
+            # From the very first batch (or nothing published yet): rebuild exactly.
+            self.index.clear()
+            self.last_seq = None
+            self._exact = True
+        self._seen = self._seen or bool(ordered)
+        for batch in ordered:
+            self._apply_in_order(batch)
+        return self._take(pending, covered=True)
+
+    def replay_failed(self, start: int) -> int | None:
+        """The replay asked from ``start`` got no answer: whatever was asked for is lost."""
+        if start != self._replay_from:
+            return None
+        self._replay_from = None
+        self._seen = True
+        pending, self._pending = self._pending, []
+        self._lose()
+        pending = pending[_restart_in(pending) or 0 :]
+        if pending:
+            # Go on from the first live batch after the loss, as if no earlier one existed.
+            self.last_seq = pending[0].seq - 1 if pending[0].seq > 0 else None
+        return self._take(pending, covered=False)
+
+    def _take(self, pending: Sequence[Batch], *, covered: bool) -> int | None:
+        """Take the live batches buffered during a replay (those it ``covered`` are skipped)."""
+        asked: int | None = None
+        last = self.last_seq
+        for batch in pending:
+            if covered and last is not None and batch.seq <= last and self._replay_from is None:
+                continue
+            again = self.live(batch)
+            asked = asked if asked is not None else again
+        return asked
+
+    def _need(self, start: int, batch: Batch) -> int | None:
+        if self.can_replay:
+            self._replay_from = start
+            self._pending = [batch]
+            return start
+        self._lose()
+        self._apply(batch)
+        return None
+
+    def _lose(self) -> None:
+        self.index.clear()
+        self._exact = False
+
+    def _apply_in_order(self, batch: Batch) -> None:
+        """Apply a replayed ``batch`` unless already applied; a hole before it loses
+        exactness."""
+        last = self.last_seq
+        if last is not None and batch.seq <= last:
+            return
+        if (last is None and batch.seq != 0) or (last is not None and batch.seq != last + 1):
+            self.gaps += 1
+            self._lose()
+        self._apply(batch)
+
+    def _apply(self, batch: Batch) -> None:
+        self.index.apply(batch.events)
+        self.last_seq = batch.seq
+        if not self._exact and any(isinstance(e, AllBlocksCleared) for e in batch.events):
+            # The engine emptied its cache and every event since is seen: exact again.
+            self._exact = True
+
+
+def _restart_in(pending: Sequence[Batch]) -> int | None:
+    """Where the buffered live batches go back in seq (a publisher restart), if they do."""
+    found = None
+    for i in range(1, len(pending)):
+        if pending[i].seq <= pending[i - 1].seq:
+            found = i
+    return found

@@ -1,0 +1,195 @@
+"""The exact prefix-cache contents of one engine (one DP rank), from its KV events (no I/O).
+
+vLLM's block hashes are not reproducible outside the engine (pickle-sha256 by default, a root
+seed random per process), so blocks are keyed by the router's own chain: :func:`block_keys`
+hashes each ``block_size``-token slice together with the key before it. A ``BlockStored``
+event carries its blocks' tokens and its parent's engine hash, so each new block's own key is
+its parent's own key chained over its tokens; :class:`BlockIndex` keeps the map
+``engine hash -> own key`` to follow parents and to apply removes.
+
+The rules:
+
+* Only ``indexable`` stores of the index's block size count (see :mod:`.kv_wire`); a store
+  whose parent the index does not hold is skipped (missed events), never guessed. Both are
+  counted in :attr:`BlockIndex.skipped`.
+* vLLM does not de-duplicate: one hash may be stored (and later removed) once per physical
+  copy. Copies are counted; a block is held until its last copy is removed.
+* Each medium (``GPU``, ``CPU``, ...) is its own tier; a remove names its medium.
+* Memory is bounded: past ``budget`` entries the oldest stored entry goes first, all its
+  copies with it (:attr:`BlockIndex.evicted`). Dropping an entry only loses credit.
+* :meth:`BlockIndex.match` credits the longest run of leading keys held in some tier, each
+  block weighted by the best tier holding it; it never credits a block the events removed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from .kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
+
+__all__ = ["ROOT_KEY", "BlockIndex", "block_keys"]
+
+#: The own key a chain starts from (the parent of a prompt's first block).
+ROOT_KEY = 0x6B76_6576_656E_7473
+
+
+def block_keys(tokens: Sequence[int], block_size: int, parent: int = ROOT_KEY) -> list[int]:
+    """Own keys of the full ``block_size`` blocks of ``tokens``, chained from ``parent``."""
+    keys: list[int] = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash((parent, tuple(tokens[start : start + block_size])))
+        keys.append(parent)
+    return keys
+
+
+class _Tier:
+    """The blocks of one medium: engine hash -> own key (insertion = store order), copies."""
+
+    __slots__ = ("copies", "held", "own")
+
+    def __init__(self) -> None:
+        self.own: dict[int, int] = {}
+        #: Copies beyond the first, only for hashes stored more than once.
+        self.copies: dict[int, int] = {}
+        #: Own key -> number of engine hashes (with all their copies) holding it.
+        self.held: dict[int, int] = {}
+
+    def store(self, engine_hash: int, key: int) -> bool:
+        """Add a copy; True if this is a new entry."""
+        if engine_hash in self.own:
+            self.copies[engine_hash] = self.copies.get(engine_hash, 0) + 1
+            return False
+        self.own[engine_hash] = key
+        self.held[key] = self.held.get(key, 0) + 1
+        return True
+
+    def remove(self, engine_hash: int, *, all_copies: bool = False) -> bool:
+        """Drop a copy (or all); True if the entry is gone."""
+        extra = self.copies.get(engine_hash, 0)
+        if extra and not all_copies:
+            if extra == 1:
+                del self.copies[engine_hash]
+            else:
+                self.copies[engine_hash] = extra - 1
+            return False
+        self.copies.pop(engine_hash, None)
+        key = self.own.pop(engine_hash, None)
+        if key is None:
+            return False
+        left = self.held[key] - 1
+        if left:
+            self.held[key] = left
+        else:
+            del self.held[key]
+        return True
+
+
+class BlockIndex:
+    """What one engine's prefix cache holds, kept exact by :meth:`apply` (see the module doc).
+
+    ``weights`` gives each medium's credit per block; a medium not listed gets the weight of
+    ``"*"`` (0 if that is not listed either: not credited).
+    """
+
+    def __init__(self, block_size: int, weights: Mapping[str, float], budget: int) -> None:
+        if budget < 1:
+            raise ValueError("budget must be at least 1")
+        self.block_size = block_size
+        self.budget = budget
+        self._weights = dict(weights)
+        self._tiers: dict[str, _Tier] = {}
+        self._size = 0
+        #: Stores or blocks skipped: not indexable, wrong block size, unknown parent.
+        self.skipped = 0
+        #: Entries dropped to keep within the budget.
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        """Entries held (engine hashes, any medium; copies count once)."""
+        return self._size
+
+    def apply(self, events: Iterable[Event]) -> None:
+        """Apply one batch's events in order."""
+        for event in events:
+            if isinstance(event, BlockStored):
+                self._store(event)
+            elif isinstance(event, BlockRemoved):
+                tier = self._tiers.get(event.medium)
+                if tier is not None:
+                    for engine_hash in event.block_hashes:
+                        if tier.remove(engine_hash):
+                            self._size -= 1
+            elif isinstance(event, AllBlocksCleared):
+                self.clear()
+
+    def clear(self) -> None:
+        """Forget everything (the engine cleared its cache, restarted, or events were lost)."""
+        self._tiers.clear()
+        self._size = 0
+
+    def _store(self, event: BlockStored) -> None:
+        if not event.indexable or event.block_size != self.block_size:
+            self.skipped += 1
+            return
+        tier = self._tiers.get(event.medium)
+        if tier is None:
+            tier = self._tiers[event.medium] = _Tier()
+        if event.parent_block_hash is None:
+            parent = ROOT_KEY
+        else:
+            found = self._parent_key(event.parent_block_hash, tier)
+            if found is None:
+                self.skipped += 1
+                return
+            parent = found
+        keys = block_keys(event.token_ids, self.block_size, parent)
+        for engine_hash, key in zip(event.block_hashes, keys, strict=True):
+            if tier.store(engine_hash, key):
+                self._size += 1
+        while self._size > self.budget:
+            self._evict_oldest()
+
+    def _parent_key(self, engine_hash: int, tier: _Tier) -> int | None:
+        key = tier.own.get(engine_hash)
+        if key is not None:
+            return key
+        for other in self._tiers.values():  # a CPU block may extend a GPU prefix
+            key = other.own.get(engine_hash)
+            if key is not None:
+                return key
+        return None
+
+    def _evict_oldest(self) -> None:
+        tier = max(self._tiers.values(), key=lambda t: len(t.own))
+        oldest = next(iter(tier.own))
+        tier.remove(oldest, all_copies=True)
+        self._size -= 1
+        self.evicted += 1
+
+    def match(self, keys: Sequence[int]) -> tuple[int, float]:
+        """Leading ``keys`` held and their weighted credit (each block: its best tier)."""
+        default = self._weights.get("*", 0.0)
+        tiers = [(self._weights.get(m, default), t) for m, t in self._tiers.items()]
+        tiers = [(w, t) for w, t in tiers if w > 0]
+        tiers.sort(key=lambda wt: -wt[0])
+        blocks = 0
+        credit = 0.0
+        for key in keys:
+            for weight, tier in tiers:
+                if key in tier.held:
+                    blocks += 1
+                    credit += weight
+                    break
+            else:
+                break
+        return blocks, credit
+
+    def held_keys(self, medium: str = "GPU") -> dict[int, int]:
+        """Own key -> copies held in ``medium`` (for tests and the idle check)."""
+        tier = self._tiers.get(medium)
+        if tier is None:
+            return {}
+        out: dict[int, int] = {}
+        for engine_hash, key in tier.own.items():
+            out[key] = out.get(key, 0) + 1 + tier.copies.get(engine_hash, 0)
+        return out

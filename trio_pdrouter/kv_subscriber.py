@@ -1,0 +1,282 @@
+"""Following vLLM's KV events over ZMQ: one SUB (and one replay DEALER) per engine and DP rank.
+
+:class:`KvEvents` owns one :class:`~.kv_feed.Feed` per :class:`EventSource` and the I/O that
+feeds it. pyzmq runs under trio without threads, with these rules:
+
+* One task per socket. Every socket is drained with ``NOBLOCK`` until ``zmq.Again`` before
+  ``trio.lowlevel.wait_readable`` on its FD: the FD is edge-triggered, so waiting with messages
+  queued would hang. ``notify_closing`` comes before every ``close``.
+* Bind or connect as vLLM decides for its side: an endpoint with ``*`` binds (vLLM connects to
+  it), any other connects. So vLLM started with ``tcp://*:5557`` is reached as
+  ``tcp://host:5557``, and vLLM started with ``tcp://router-host:5557`` needs ``tcp://*:5557``
+  here.
+* Replay: the DEALER sends ``[b"", start_seq]`` and reads ``[b"", (topic,) seq, payload]``
+  frames until the end marker (seq -1); no end marker within ``replay_timeout_s`` fails the
+  replay, and the DEALER is replaced so a late answer cannot be taken for the next one.
+  Besides the replays a gap asks for, each feed probes every ``probe_interval_s`` (a lost last
+  batch, or a feed UNKNOWN whose history from seq 0 is still buffered).
+* Whatever a source does (malformed frames, a dead publisher, a refused replay), the router
+  keeps serving: the feed goes UNKNOWN and the policy falls back to its estimate.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import attrs
+import trio
+import zmq
+
+from .kv_feed import Feed
+from .kv_index import BlockIndex
+from .kv_wire import Batch, MalformedFrame, decode_message, decode_payload
+
+__all__ = ["EventSource", "KvEvents"]
+
+log = logging.getLogger("trio_pdrouter.kv_events")
+
+_END = -1
+#: Replayed frames decoded between checkpoints.
+_DECODE_SLICE = 64
+
+
+@attrs.frozen
+class EventSource:
+    """Where one engine (server URL and DP rank) publishes its events and answers replays."""
+
+    url: str
+    rank: int | None
+    endpoint: str
+    replay: str | None = None
+
+    @property
+    def key(self) -> str:
+        return self.url if self.rank is None else f"{self.url}@{self.rank}"
+
+
+def _attach(sock: zmq.Socket[bytes], endpoint: str) -> None:
+    if "*" in endpoint:
+        sock.bind(endpoint)
+    else:
+        sock.connect(endpoint)
+
+
+def _fd(sock: zmq.Socket[bytes]) -> int:
+    fd = sock.getsockopt(zmq.FD)
+    assert isinstance(fd, int)
+    return fd
+
+
+def _close(sock: zmq.Socket[bytes]) -> None:
+    trio.lowlevel.notify_closing(_fd(sock))
+    sock.close(linger=0)
+
+
+class KvEvents:
+    """The feeds of every source, and the tasks that follow them (see the module doc).
+
+    ``weights`` is each medium's credit per block (``GPU`` 1.0, the ``--kv-penalty-*`` flags
+    for the others); ``budget`` bounds each engine's index.
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[EventSource],
+        *,
+        block_size: int,
+        weights: Mapping[str, float],
+        budget: int,
+        probe_interval_s: float = 5.0,
+        replay_timeout_s: float = 2.0,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        self.sources = tuple(sources)
+        self.block_size = block_size
+        self._probe_interval_s = probe_interval_s
+        self._replay_timeout_s = replay_timeout_s
+        self._context = context or zmq.Context.instance()
+        self.feeds: dict[tuple[str, int | None], Feed] = {
+            (s.url, s.rank): Feed(
+                BlockIndex(block_size, weights, budget), can_replay=s.replay is not None
+            )
+            for s in self.sources
+        }
+        self._wanted = {(s.url, s.rank): trio.Event() for s in self.sources}
+        #: Counted per source key: malformed frames and events applied.
+        self.decode_errors: dict[str, int] = {s.key: 0 for s in self.sources}
+        self.events: dict[str, int] = {s.key: 0 for s in self.sources}
+
+    def feed(self, url: str, rank: int | None) -> Feed | None:
+        return self.feeds.get((url, rank))
+
+    def index(self, url: str, rank: int | None) -> tuple[BlockIndex, bool] | None:
+        """An engine's index and whether it is exact (its events known to be complete)."""
+        feed = self.feeds.get((url, rank))
+        return (feed.index, feed.known) if feed is not None else None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Follow every source until cancelled; started once every socket is attached."""
+        async with trio.open_nursery() as nursery:
+            for source in self.sources:
+                await nursery.start(self._follow, source)
+            task_status.started()
+
+    async def _follow(self, source: EventSource, *, task_status: trio.TaskStatus[None]) -> None:
+        sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        try:
+            _attach(sub, source.endpoint)
+        except zmq.ZMQError as exc:
+            sub.close(linger=0)
+            log.warning("kv events: cannot attach %s to %s: %s", source.key, source.endpoint, exc)
+            task_status.started()
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._live, source, sub)
+            if source.replay is not None:
+                nursery.start_soon(self._replays, source, source.replay)
+            task_status.started()
+
+    def _ask(self, source: EventSource, start: int | None) -> None:
+        if start is not None:
+            self._wanted[(source.url, source.rank)].set()
+
+    async def _live(self, source: EventSource, sub: zmq.Socket[bytes]) -> None:
+        feed = self.feeds[(source.url, source.rank)]
+        fd = _fd(sub)
+        try:
+            while True:
+                drained = 0
+                while drained < 1000:  # then let other tasks run, and drain on
+                    try:
+                        frames = sub.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    drained += 1
+                    batch = self._decode(source, frames)
+                    if batch is not None:
+                        self._ask(source, feed.live(batch))
+                if drained < 1000:
+                    await trio.lowlevel.wait_readable(fd)
+                else:
+                    await trio.lowlevel.checkpoint()
+        finally:
+            _close(sub)
+
+    def _decode(self, source: EventSource, frames: Sequence[bytes]) -> Batch | None:
+        try:
+            batch = decode_message(frames)
+        except MalformedFrame as exc:
+            self.decode_errors[source.key] += 1
+            log.warning("kv events: malformed frame from %s: %s", source.key, exc)
+            return None
+        if batch.rank is not None and source.rank is not None and batch.rank != source.rank:
+            self.decode_errors[source.key] += 1
+            log.warning(
+                "kv events: %s sent rank %d's events; check the endpoint order",
+                source.key,
+                batch.rank,
+            )
+            return None
+        self.events[source.key] += len(batch.events)
+        return batch
+
+    async def _replays(self, source: EventSource, endpoint: str) -> None:
+        feed = self.feeds[(source.url, source.rank)]
+        key = (source.url, source.rank)
+        dealer = self._dealer(endpoint)
+        try:
+            self._ask(source, feed.probe())
+            while True:
+                start = feed.wanted
+                if start is None:
+                    with trio.move_on_after(self._probe_interval_s):
+                        await self._wanted[key].wait()
+                    self._wanted[key] = trio.Event()
+                    if feed.wanted is None:
+                        feed.probe()
+                    continue
+                batches = await self._replay(source, dealer, start)
+                if batches is None:
+                    _close(dealer)
+                    dealer = self._dealer(endpoint)
+                    log.warning("kv events: replay from %s failed (seq %d)", source.key, start)
+                    feed.replay_failed(start)
+                else:
+                    feed.replayed(start, batches)
+        finally:
+            _close(dealer)
+
+    def _dealer(self, endpoint: str) -> zmq.Socket[bytes]:
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoint)
+        return dealer
+
+    async def _replay(
+        self, source: EventSource, dealer: zmq.Socket[bytes], start: int
+    ) -> list[Batch] | None:
+        """The batches from ``start`` on, or None when the replay failed."""
+        fd = _fd(dealer)
+        frames: list[list[bytes]] = []
+        with trio.move_on_after(self._replay_timeout_s):
+            try:
+                dealer.send_multipart([b"", start.to_bytes(8, "big", signed=True)], zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            while True:
+                try:
+                    reply = dealer.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    await trio.lowlevel.wait_readable(fd)
+                    continue
+                if reply and reply[0] == b"":
+                    reply = reply[1:]
+                if len(reply) == 3:
+                    reply = reply[1:]  # the topic (vLLM >= 0.26)
+                if len(reply) != 2 or len(reply[0]) != 8:
+                    self.decode_errors[source.key] += 1
+                    continue
+                if int.from_bytes(reply[0], "big", signed=True) == _END:
+                    break
+                frames.append(reply)
+            batches: list[Batch] = []
+            for i, (seq, payload) in enumerate(frames):
+                if i % _DECODE_SLICE == _DECODE_SLICE - 1:
+                    await trio.lowlevel.checkpoint()
+                try:
+                    batch = decode_payload(payload, int.from_bytes(seq, "big", signed=True))
+                except MalformedFrame:
+                    self.decode_errors[source.key] += 1
+                    return None  # a hole in the history: the replay cannot be trusted
+                self.events[source.key] += len(batch.events)
+                batches.append(batch)
+            return batches
+        return None
+
+    def snapshot(self) -> list[dict[str, object]]:
+        """``GET /debug/kv-index``: one entry per engine and DP rank."""
+        out: list[dict[str, object]] = []
+        for source in self.sources:
+            feed = self.feeds[(source.url, source.rank)]
+            out.append(
+                {
+                    "url": source.url,
+                    "endpoint": source.key,
+                    "rank": source.rank if source.rank is not None else 0,
+                    "blocks": len(feed.index),
+                    "known": feed.known,
+                    "state": feed.state.value,
+                    "last_seq": feed.last_seq,
+                    "gaps": feed.gaps,
+                    "replays": feed.replays,
+                    "restarts": feed.restarts,
+                    "skipped": feed.index.skipped,
+                    "evicted": feed.index.evicted,
+                    "events": self.events[source.key],
+                    "decode_errors": self.decode_errors[source.key],
+                }
+            )
+        return out

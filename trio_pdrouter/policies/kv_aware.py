@@ -1,0 +1,163 @@
+"""``kv_aware``: send a request where the engine's KV events say its prefix is cached.
+
+Per decision, over the candidates:
+
+* unbalanced loads (``cache_aware``'s test, ``--balance-abs-threshold`` and
+  ``--balance-rel-threshold``): the least-loaded candidate, as ``cache_aware`` does;
+* no token ids for the request (``/tokenize`` failed or was not needed): ``cache_aware``'s
+  decision over its estimated tree;
+* otherwise each candidate's *hit* is the share of the prompt's full blocks it holds as a
+  leading run, each block weighted by its medium (GPU 1, ``--kv-penalty-host|external|disk``
+  for blocks held only off-GPU). An engine whose event stream is not known to be exact
+  (``known`` false: no events yet, history lost) gets the larger of the estimate (the share of
+  the routing text ``cache_aware``'s tree has seen go there) and what its index shows: after a
+  loss the index is cleared and then holds only blocks stored since, whose removes are all
+  seen, so it may miss blocks but never shows one the engine dropped.
+* score = hit - (load - min_load) / (``--balance-abs-threshold`` + 1): a load difference as
+  large as the balance threshold costs as much as a whole cached prompt. With
+  ``--router-temperature`` 0 the best score wins (ties at random); above 0 the choice is drawn
+  with probabilities softmax(score / temperature).
+
+The routing text also goes into the estimated tree under the chosen endpoint, so the fallback
+stays warm. :attr:`KvAware.last` describes the last decision (blocks matched, whether the
+chosen engine's state was known) for the routing headers and the access line.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import attrs
+
+from ..endpoints import Endpoint
+from ..kv_index import BlockIndex, block_keys
+from ._base import DecisionObserver, PolicySettings, RoutingKey
+from ._choice import least_loaded
+from .cache_aware import CacheAware
+
+
+class KvView(Protocol):
+    """What the policy reads of the subscriber: an engine's index and whether it is exact."""
+
+    block_size: int
+
+    def index(self, url: str, rank: int | None) -> tuple[BlockIndex, bool] | None: ...
+
+
+@attrs.frozen
+class KvDecision:
+    """What one decision saw of its chosen endpoint."""
+
+    blocks: int
+    total_blocks: int
+    known: bool
+    reason: str
+
+    def note(self) -> str:
+        """``matched/total;known`` (or ``;estimate``), for the routing header and access line."""
+        return f"{self.blocks}/{self.total_blocks};{'known' if self.known else 'estimate'}"
+
+
+class KvAware:
+    """Exact prefix-cache affinity from KV events, traded against load (module doc)."""
+
+    name = "kv_aware"
+
+    def __init__(
+        self,
+        settings: PolicySettings,
+        rng: random.Random,
+        *,
+        stage: str,
+        on_decision: DecisionObserver,
+        view: KvView | None,
+    ) -> None:
+        self._settings = settings
+        self._rng = rng
+        self._stage = stage
+        self._on_decision = on_decision
+        self._view = view
+        self.estimate = CacheAware(settings, rng, stage=stage, on_decision=lambda _s, _r: None)
+        self.last = KvDecision(0, 0, False, "none")
+
+    def choose(
+        self, candidates: Sequence[Endpoint], loads: Mapping[Endpoint, int], key: RoutingKey
+    ) -> Endpoint:
+        s = self._settings
+        values = [loads.get(c, 0) for c in candidates]
+        max_load, min_load = max(values), min(values)
+        unbalanced = (
+            max_load - min_load > s.balance_abs_threshold
+            and max_load > min_load * s.balance_rel_threshold
+        )
+        view = self._view
+        if view is None or key.tokens is None:
+            chosen = self.estimate.choose(candidates, loads, key)
+            self._decided("no_tokens", 0, 0, known=False)
+            return chosen
+        keys = block_keys(key.tokens, view.block_size)
+        if unbalanced:
+            chosen = least_loaded(candidates, loads, self._rng)
+            self._remember(key, chosen)
+            self._decided("unbalanced", 0, len(keys), known=False)
+            return chosen
+        scores: list[float] = []
+        seen: list[tuple[int, bool]] = []
+        for candidate, load in zip(candidates, values, strict=True):
+            hit, blocks, known = self._hit(candidate, key, keys)
+            seen.append((blocks, known))
+            scores.append(hit - (load - min_load) / (s.balance_abs_threshold + 1))
+        index = self._pick(scores)
+        chosen = candidates[index]
+        self._remember(key, chosen)
+        blocks, known = seen[index]
+        reason = ("kv_hit" if known else "estimate_hit") if blocks else "miss"
+        self._decided(reason, blocks, len(keys), known=known)
+        return chosen
+
+    def _hit(
+        self, candidate: Endpoint, key: RoutingKey, keys: list[int]
+    ) -> tuple[float, int, bool]:
+        """(hit share, blocks credited, known) of one candidate."""
+        assert self._view is not None
+        found = self._view.index(candidate.url, candidate.rank)
+        blocks, credit = found[0].match(keys) if found is not None and keys else (0, 0.0)
+        lower = credit / len(keys) if keys else 0.0
+        if found is not None and found[1]:
+            return lower, blocks, True
+        # Unknown: what its index still shows is true (stored since the loss, removes seen) but
+        # may be missing blocks, so the estimate may say more.
+        share = 0.0
+        if key.text:
+            chars, _owner = self.estimate.tree.match(key.text, eligible=frozenset((candidate,)))
+            share = chars / len(key.text)
+        if share > lower:
+            return share, round(share * len(keys)), False
+        return lower, blocks, False
+
+    def _pick(self, scores: list[float]) -> int:
+        temperature = self._settings.router_temperature
+        if temperature <= 0:
+            best = max(scores)
+            ties = [i for i, v in enumerate(scores) if v >= best - 1e-12]
+            return ties[0] if len(ties) == 1 else self._rng.choice(ties)
+        top = max(scores)
+        weights = [math.exp((v - top) / temperature) for v in scores]
+        return self._rng.choices(range(len(scores)), weights=weights)[0]
+
+    def _remember(self, key: RoutingKey, chosen: Endpoint) -> None:
+        if key.text:
+            self.estimate.tree.insert(key.text, chosen)
+
+    def _decided(self, reason: str, blocks: int, total: int, *, known: bool) -> None:
+        self.last = KvDecision(blocks, total, known, reason)
+        self._on_decision(self._stage, reason)
+
+    def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
+        self.estimate.set_endpoints(endpoints)
+
+    def maintain(self) -> bool:
+        return self.estimate.maintain()

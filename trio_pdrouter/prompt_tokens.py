@@ -1,0 +1,126 @@
+"""A request's prompt token ids for ``kv_aware``, asked of an engine before routing.
+
+KV events name blocks by their tokens, so ``kv_aware`` needs the tokens the engine will see. A
+token-id prompt carries them (:func:`~.policies.routing_key.prompt_tokens`); a text prompt or a
+chat goes to an engine's ``POST /tokenize`` (``{"prompt"}`` or ``{"messages", ...}`` with the
+request's chat-template fields), which renders and tokenizes exactly as the engine will.
+
+The rules:
+
+* One call per request, to one healthy server of the stage that routes on tokens, taken in
+  turn; only while a ``kv_aware`` stage exists (the caller decides).
+* Answers are cached (``cache_size`` prompts, least recently used dropped first), keyed by the
+  exact JSON sent, so a repeated prompt costs no call.
+* Any failure (no healthy server, an error status, a timeout, a malformed answer) leaves the
+  key without tokens: the policy then uses its estimate. The request is never failed for it.
+* This runs before routing (it awaits); routing itself stays synchronous.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+
+import attrs
+import httpx
+import orjson
+import trio
+
+from .policies import RoutingKey
+
+__all__ = ["PromptTokens"]
+
+log = logging.getLogger("trio_pdrouter.kv_events")
+
+#: Chat fields that change the rendered prompt (vLLM's /tokenize accepts each of them).
+_CHAT_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "add_special_tokens",
+)
+
+
+def tokenize_request(body: Mapping[str, object]) -> dict[str, object] | None:
+    """The ``/tokenize`` body for a request body, or None when it has no prompt to tokenize."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return {"prompt": prompt}
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages:
+        out: dict[str, object] = {"messages": messages}
+        out.update({f: body[f] for f in _CHAT_FIELDS if f in body})
+        return out
+    return None
+
+
+class PromptTokens:
+    """Asks the servers given by ``servers`` (healthy URLs, called per request) to tokenize."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        servers: Callable[[], Sequence[str]],
+        *,
+        timeout_s: float = 2.0,
+        cache_size: int = 4096,
+        api_key: str | None = None,
+    ) -> None:
+        self._client = client
+        self._servers = servers
+        self._timeout_s = timeout_s
+        self._cache: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        self._cache_size = cache_size
+        self._turn = 0
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.calls = 0
+        self.failures = 0
+
+    async def key_with_tokens(self, body: Mapping[str, object], key: RoutingKey) -> RoutingKey:
+        """``key`` with the prompt's token ids, when they can be had (see the module doc)."""
+        if key.tokens is not None:
+            return key
+        request = tokenize_request(body)
+        if request is None:
+            return key
+        raw = orjson.dumps(request)
+        cached = self._cache.get(raw)
+        if cached is not None:
+            self._cache.move_to_end(raw)
+            return attrs.evolve(key, tokens=cached)
+        tokens = await self._ask(raw)
+        if tokens is None:
+            return key
+        self._cache[raw] = tokens
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return attrs.evolve(key, tokens=tokens)
+
+    async def _ask(self, raw: bytes) -> tuple[int, ...] | None:
+        servers = self._servers()
+        if not servers:
+            return None
+        self._turn = (self._turn + 1) % len(servers)
+        url = servers[self._turn] + "/tokenize"
+        self.calls += 1
+        try:
+            with trio.fail_after(self._timeout_s):
+                resp = await self._client.post(
+                    url,
+                    content=raw,
+                    headers={"Content-Type": "application/json", **self._headers},
+                )
+            answer = orjson.loads(resp.content) if resp.status_code == 200 else None
+        except (httpx.HTTPError, trio.TooSlowError, orjson.JSONDecodeError, OSError) as exc:
+            log.debug("tokenize at %s failed: %r", url, exc)
+            answer = None
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            self.failures += 1
+            return None
+        return tuple(tokens)
