@@ -46,7 +46,9 @@ test: lint
 demo: install
 	$(BIN)/python -m demo --seconds $(DEMO_SECONDS)
 
+# The soak tests marked slow (left out of `make test`) run first.
 bench: $(VENV)/.bench-installed bench-vllm-router
+	$(BIN)/pytest -m slow
 	$(BIN)/python -m benchmarks --profile $(BENCH_PROFILE)
 
 bench-full: $(VENV)/.bench-installed bench-vllm-router

@@ -18,11 +18,18 @@ take turns. While a run is measured the router's own load count per endpoint (tr
 sampled next to the simulators' truth (``running + waiting`` per rank, ``GET /sim/stats``, read
 just before and just after the router; the error is how far the router's count lies outside
 that interval).
+
+``BENCH_ROUTING_CONFIGS="seed flags|round_robin"`` runs only the configurations whose label
+contains one of the ``|``-separated parts, ``BENCH_ROUTING_REPEATS=N`` sets the rounds, and
+``BENCH_BASELINE=DIR`` adds each chosen trio-pdrouter configuration run from the checkout in DIR
+(labelled ``(baseline)``), for before/after rows in the same run.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -72,9 +79,27 @@ CONFIGS: list[tuple[str, str, list[str]]] = [
 ]
 
 
+def _chosen_configs(vllm_router: bool) -> list[tuple[str, str, list[str]]]:
+    parts = [part for part in os.environ.get("BENCH_ROUTING_CONFIGS", "").split("|") if part]
+    chosen = [
+        c
+        for c in CONFIGS
+        if (c[1] == "ours" or vllm_router) and (not parts or any(p in c[0] for p in parts))
+    ]
+    if os.environ.get("BENCH_BASELINE"):
+        ours = [(label, f) for label, kind, f in chosen if kind == "ours"]
+        chosen += [(f"{label} (baseline)", "baseline", f) for label, f in ours]
+    return chosen
+
+
+def _repeats(profile: str) -> int:
+    return int(os.environ.get("BENCH_ROUTING_REPEATS", PROFILES[profile]["repeats"]))
+
+
 def estimate(profile: str) -> float:
     p = PROFILES[profile]
-    return float(len(CONFIGS) * p["repeats"] * (p["warmup"] + p["seconds"] + 3.5) + 5)
+    configs = _chosen_configs(vllm_router=True)
+    return float(len(configs) * _repeats(profile) * (p["warmup"] + p["seconds"] + 3.5) + 5)
 
 
 class LoadSampler:
@@ -164,7 +189,8 @@ def _spread(series: dict[str, Any]) -> float:
 
 def run(ctx: Context) -> dict[str, Any]:
     p = PROFILES[ctx.profile]
-    configs = [c for c in CONFIGS if c[1] == "ours" or ctx.vllm_router]
+    configs = _chosen_configs(ctx.vllm_router is not None)
+    p = {**p, "repeats": _repeats(ctx.profile)}
     result: dict[str, Any] = {
         "scenario": "routing",
         "profile": ctx.profile,
@@ -202,8 +228,15 @@ def run(ctx: Context) -> dict[str, Any]:
                 ctx.progress.phase(f"{label}, round {rep + 1}/{p['repeats']} (run {done}/{total})")
                 wait_sims_idle(client, sims)
                 extra = ["--api-key", API_KEY] if kind == "vllm" else []
-                router = start_router(procs, f"router-{done}", kind, [*pd, *policy, *extra])
-                sampler = LoadSampler(kind, router, sims, p["sample_every"])
+                if kind == "baseline":
+                    baseline = Path(os.environ["BENCH_BASELINE"])
+                    flags = [*pd, *policy]
+                    router = start_router(procs, f"router-{done}", "ours", flags, cwd=baseline)
+                else:
+                    router = start_router(procs, f"router-{done}", kind, [*pd, *policy, *extra])
+                sampler = LoadSampler(
+                    "vllm" if kind == "vllm" else "ours", router, sims, p["sample_every"]
+                )
                 try:
                     for sim in sims:
                         client.post(sim.url + "/sim/reset", json={"prefix_cache": True})

@@ -19,6 +19,7 @@ from trio_pdrouter.engine_truth import (
 )
 from trio_pdrouter.load import LoadLedger
 from trio_pdrouter.metrics import RouterMetrics
+from trio_pdrouter.peers import PeerLoads
 from trio_pdrouter_sim.config import SimConfig
 
 from .cluster import eventually, held_streams, start_cluster
@@ -163,6 +164,36 @@ async def test_drift_is_router_load_minus_engine_load_at_the_scrape() -> None:
     assert truth.drift == {ep0.key: -2, ep1.key: 0}
 
 
+async def test_with_a_cluster_the_engines_are_compared_with_own_plus_peers_counts() -> None:
+    server = MetricsServer()
+    endpoints = [Endpoint(URL, Role.DECODE, r) for r in range(2)]
+    ep0, ep1 = endpoints
+    ledger = LoadLedger(endpoints)
+    peers = PeerLoads("r1", valid_for=60.0, clock=lambda: 0.0)
+    client = httpx.AsyncClient(transport=httpx.MockTransport(server.handle))
+    truth = EngineTruth(lambda: endpoints, ledger, client, 1.0, peers=peers)
+    assert truth.drift_of == "cluster"
+    ledger.lease(ep0)  # this replica: 1 on rank 0
+    peers.update({"r2": {"decode": {ep0.key: 2, ep1.key: 1}}})
+    server.text = exposition({"0": (3, 0), "1": (1, 0)})  # the engines serve both replicas
+    await truth.scrape()
+    assert truth.drift == {ep0.key: 0, ep1.key: 0}
+    # A peer's count that changes while the engines answer is a range, not drift.
+    server.during = lambda: peers.update({"r2": {"decode": {ep0.key: 4}}})
+    server.text = exposition({"0": (4, 0), "1": (0, 0)})
+    await truth.scrape()
+    assert truth.drift == {ep0.key: 0, ep1.key: 0}
+    # Beyond it, drift: the engines run 2 more than the cluster's counts say.
+    server.during = None
+    server.text = exposition({"0": (7, 0), "1": (0, 0)})
+    await truth.scrape()
+    assert truth.drift == {ep0.key: -2, ep1.key: 0}
+    # Without a cluster the same engines show the peers' share as drift.
+    alone = EngineTruth(lambda: endpoints, ledger, client, 1.0)
+    await alone.scrape()
+    assert alone.drift_of == "replica" and alone.drift == {ep0.key: -6, ep1.key: 0}
+
+
 async def test_load_changing_during_the_scrape_is_not_drift_but_an_offset_beyond_it_is() -> None:
     server = MetricsServer()
     truth, ledger, (ep0, ep1), _ = truth_over(server)
@@ -265,6 +296,7 @@ async def test_drift_is_zero_while_50_streams_run_on_real_simulators() -> None:
             assert sum(loads["tokens"]["decode"].values()) == 50 * (PROMPT_TOKENS + 400)
             assert set(loads["engine_tokens"]) >= decode_keys
             assert all(loads["token_drift"][k] >= 0 for k in decode_keys), loads["token_drift"]
+            assert loads["drift_of"] == "replica"
             metrics = (await c.client.get(c.url + "/metrics")).text
             for key in decode_keys:
                 assert f'trio_pdrouter_load_drift{{endpoint="{key}"}} 0.0' in metrics

@@ -269,6 +269,7 @@ class RouterApp:
             loads["drift"] = dict(truth.drift)
             loads["engine_tokens"] = truth.engine_tokens()
             loads["token_drift"] = dict(truth.token_drift)
+            loads["drift_of"] = truth.drift_of
         if self.peers is not None:
             loads["cluster"] = cluster_view(self.ledger.snapshot(), self.peers)
         await _reply(send, Reply.json(orjson.dumps(loads)))

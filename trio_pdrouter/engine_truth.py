@@ -25,6 +25,13 @@ at the end of the scrape minus that. The router's weight is an upper bound by de
 slot weighs prompt + ``max_tokens`` from the start, and a PENDING one is not on the engine yet),
 so a positive token drift is expected; a persistently negative one is the alarm.
 
+With a cluster view (``--cluster-url``) the engines serve every replica, so the router side is
+this replica's visible load *plus the peers' latest counts* (:class:`~.peers.PeerLoads`, read at
+the start and the end of the round; the range between counts as in the window). ``/get_loads``
+says which comparison ``"drift"`` is: ``"drift_of": "cluster"`` (own + peers) or ``"replica"``
+(own only, without a cluster). Cluster drift is bounded by what the peers' snapshots miss: up to
+one sync interval of their arrivals and departures.
+
 Drift that persists is a leak somewhere: the router, an engine, or another router replica sending
 to the same engine. The router side is the ledger's *visible* load: a decode slot charged at
 choice whose prefill is still running is PENDING (see :mod:`trio_pdrouter.load`) and left out,
@@ -47,6 +54,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from .endpoints import Endpoint
 from .load import LoadLedger
 from .metrics import RouterMetrics
+from .peers import PeerLoads
 from .upstream import read_capped
 
 log = logging.getLogger("trio_pdrouter.engine_truth")
@@ -159,8 +167,10 @@ class EngineTruth:
         client: httpx.AsyncClient,
         interval: float,
         metrics: RouterMetrics | None = None,
+        peers: PeerLoads | None = None,
     ) -> None:
         self._ledger = ledger
+        self._peers = peers
         self._client = client
         self.interval = interval
         self._metrics = metrics
@@ -177,6 +187,8 @@ class EngineTruth:
         self.drift: dict[str, int] = {}
         #: endpoint key -> the router's token weight minus the engine's KV tokens (see above)
         self.token_drift: dict[str, int] = {}
+        #: What the router side of ``drift`` counts: this replica, or the whole cluster.
+        self.drift_of = "replica" if peers is None else "cluster"
 
     def engine_totals(self) -> dict[str, int]:
         """Endpoint key -> running + waiting, as ``/get_loads`` shows it."""
@@ -213,7 +225,7 @@ class EngineTruth:
             by_key.setdefault(ep.key, []).append(ep)
         for gone in self.engine.keys() - by_key.keys():
             self._forget(gone)
-        window = _Window(self._ledger.visible_loads(endpoints))
+        window = _Window(self._ledger.visible_loads(endpoints), self._peer_loads)
         self._windows.append(window)
         try:
             async with trio.open_nursery() as nursery:
@@ -221,6 +233,10 @@ class EngineTruth:
                     nursery.start_soon(self._scrape_url, url, of_url, by_key, window)
         finally:
             self._windows.remove(window)
+
+    def _peer_loads(self, endpoints: Iterable[Endpoint]) -> int:
+        peers = self._peers
+        return 0 if peers is None else sum(peers.load(ep) for ep in endpoints)
 
     def _changed(self, endpoint: Endpoint, load: int) -> None:
         for window in self._windows:
@@ -298,13 +314,18 @@ class EngineTruth:
 
 
 class _Window:
-    """The lowest and highest router load of each endpoint while one scrape round runs."""
+    """The lowest and highest router load of each endpoint while one scrape round runs; the
+    peers' part (``peer_loads``, 0 without a cluster) is read at the start and at the end."""
 
-    __slots__ = ("high", "low")
+    __slots__ = ("high", "low", "peer_loads", "peers_at_start")
 
-    def __init__(self, loads: dict[Endpoint, int]) -> None:
+    def __init__(
+        self, loads: dict[Endpoint, int], peer_loads: Callable[[Iterable[Endpoint]], int]
+    ) -> None:
         self.low = loads
         self.high = dict(loads)
+        self.peer_loads = peer_loads
+        self.peers_at_start = {ep: peer_loads((ep,)) for ep in loads}
 
     def see(self, endpoint: Endpoint, load: int) -> None:
         if endpoint in self.low:  # an endpoint added mid-round is compared from the next one
@@ -313,8 +334,10 @@ class _Window:
 
     def drift(self, endpoints: list[Endpoint], engine: int) -> int:
         """The distance from ``engine`` to the range the router's load had, signed."""
-        low = sum(self.low.get(ep, 0) for ep in endpoints)
-        high = sum(self.high.get(ep, 0) for ep in endpoints)
+        at_start = sum(self.peers_at_start.get(ep, 0) for ep in endpoints)
+        at_end = self.peer_loads(endpoints)
+        low = sum(self.low.get(ep, 0) for ep in endpoints) + min(at_start, at_end)
+        high = sum(self.high.get(ep, 0) for ep in endpoints) + max(at_start, at_end)
         if engine < low:
             return low - engine
         if engine > high:

@@ -8,6 +8,7 @@ Rules of this module (the layout and the only code that reads or writes it):
       keys     slots x KEY_BYTES: the endpoint owning each slot ("role key", utf-8; empty = free)
       changes  LOG_ENTRIES x ENTRY_BYTES: the runtime server changes, in order (utf-8 text)
       cells    rows x slots x columns int64
+      prefixes each worker's recent prefix-tree inserts (:mod:`.prefix_ring` owns the layout)
 
   A slot is one endpoint; its columns are :data:`COUNT`, :data:`PENDING` and :data:`TOKENS`
   (what :class:`~trio_pdrouter.load.LoadLedger` keeps per endpoint). Every worker finds an
@@ -34,6 +35,8 @@ import fcntl
 import os
 from collections.abc import Iterator
 from multiprocessing import resource_tracker, shared_memory
+
+from . import prefix_ring
 
 MAGIC = 0x7472696F_6C656467  # "trioledg"
 HEADER_CELLS = 8
@@ -72,6 +75,7 @@ def _size(rows: int, slots: int, columns: int) -> int:
         + slots * KEY_BYTES
         + LOG_ENTRIES * ENTRY_BYTES
         + 8 * rows * slots * columns
+        + prefix_ring.region_size(rows)
     )
 
 
@@ -95,7 +99,10 @@ class MachineTable:
         log_end = keys_end + LOG_ENTRIES * ENTRY_BYTES
         self._keys = buf[8 * HEADER_CELLS : keys_end]
         self._log = buf[keys_end:log_end]
-        self._cells = buf[log_end : log_end + 8 * self.rows * self.slots * self.columns].cast("q")
+        cells_end = log_end + 8 * self.rows * self.slots * self.columns
+        self._cells = buf[log_end:cells_end].cast("q")
+        #: The prefix rings' bytes (:class:`~.prefix_ring.PrefixFeed` reads and writes them).
+        self.prefixes = buf[cells_end : cells_end + prefix_ring.region_size(self.rows)]
         self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         self._depth = 0
         self._slot_of: dict[str, int] = {}
@@ -220,7 +227,7 @@ class MachineTable:
         ]
 
     def close(self) -> None:
-        for view in (self._cells, self._log, self._keys, self._header):
+        for view in (self.prefixes, self._cells, self._log, self._keys, self._header):
             view.release()
         self._shm.close()
         os.close(self._lock_fd)

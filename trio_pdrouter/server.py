@@ -22,7 +22,7 @@ from .breaker import Breakers
 from .buffers import BufferBudget
 from .cluster_sync import ClusterSync, connect, exchange_timeout
 from .config import ClusterSettings, RouterConfig
-from .endpoints import normalize_url
+from .endpoints import Role, normalize_url
 from .engine_truth import EngineTruth
 from .fleet import Fleet, MachineServers
 from .health import HealthBoard
@@ -42,6 +42,7 @@ from .machine_ledger import MachineLedger
 from .metrics import MetricsApp, RouterMetrics
 from .peers import PeerLoads
 from .policies import make_policy
+from .prefix_ring import PrefixFeed
 from .prompt_tokens import PromptTokens
 from .proxy import Proxy
 from .rate_limit import TokenBucket
@@ -129,6 +130,14 @@ def build_app(
     kv = kv_events_for(config.kv_events, config.policy_settings, every)
     if kv is not None:
         metrics.registry.register(KvCollector(kv))
+
+    def feed(role: Role) -> PrefixFeed | None:
+        """With ``--workers N``: the machine's prefix rings, so every worker's tree learns all."""
+        if not isinstance(ledger, MachineLedger):
+            return None
+        table = ledger.table
+        return PrefixFeed(table.prefixes, table.rows, ledger.row, role.value)
+
     policies = {
         role: make_policy(
             config.stage_policy(role),
@@ -136,6 +145,7 @@ def build_app(
             settings=config.policy_settings,
             on_decision=metrics.policy_decision,
             rng=rng,
+            feed=feed(role),
             kv=kv,
         )
         for role in config.servers()
@@ -213,7 +223,7 @@ def build_app(
     truth = None
     if config.engine_metrics_interval > 0 and prober:
         truth = EngineTruth(
-            fleet.endpoints, ledger, client, config.engine_metrics_interval, metrics
+            fleet.endpoints, ledger, client, config.engine_metrics_interval, metrics, peers
         )
     tokens = None  # kv_aware routes on token ids: an engine tokenizes text and chat
     kv_roles = [role for role in config.servers() if config.stage_policy(role) == "kv_aware"]

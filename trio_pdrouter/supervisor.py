@@ -159,6 +159,8 @@ class Supervisor:
         metrics_fd = None if self._metrics_socket is None else self._metrics_socket.fileno()
         proc = await trio.lowlevel.open_process(
             self._command(row, self._table, fd, metrics_fd, self._argv),
+            # Its stdin: a pipe only this process holds, whose end tells the worker it is gone.
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             pass_fds=(fd,) if metrics_fd is None else (fd, metrics_fd),
         )

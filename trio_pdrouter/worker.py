@@ -5,19 +5,19 @@ ARGV...``: its row in the machine table, the table's shared-memory name and lock
 listening sockets it inherited (``METRICS_FD`` -1 without ``--prometheus-port``), and the
 router's own command line. Once it listens it writes ``ready`` on stdout
 (the supervisor's only channel from it; logs go to the inherited stderr) and serves until
-SIGTERM/SIGINT, with the single-process router's graceful rules; if the supervisor dies, the
-kernel sends it SIGTERM, so no worker outlives its supervisor.
+SIGTERM/SIGINT, with the single-process router's graceful rules. Its stdin is a pipe only the
+supervisor writes to: end of file there means the supervisor is gone (even SIGKILLed), and the
+worker stops as on SIGTERM, so no worker outlives its supervisor. (Not ``PR_SET_PDEATHSIG``: it
+fires when the parent *thread* exits, and trio starts processes from a cached thread that ends
+after 10 s idle, which stopped every worker about 10 s after its start.)
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
-import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
@@ -27,7 +27,7 @@ from .machine_ledger import MachineLedger
 from .machine_table import MachineTable
 
 READY = b"ready\n"
-_PR_SET_PDEATHSIG = 1
+log = logging.getLogger("trio_pdrouter")
 
 
 #: The command of worker ``row`` given the table, the two fds and the router's argv.
@@ -51,23 +51,33 @@ def worker_command(
     ]
 
 
-def _stop_with_the_supervisor() -> None:
-    """Have the kernel send this worker SIGTERM (a graceful stop) if the supervisor dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() == 1:  # it died before the line above ran
-        os.kill(os.getpid(), signal.SIGTERM)
+async def _supervisor_gone() -> None:
+    """Return once this worker's stdin (the supervisor's pipe) reads end of file."""
+    async with trio.lowlevel.FdStream(os.dup(sys.stdin.fileno())) as pipe:
+        while await pipe.receive_some():
+            pass
+    log.warning("supervisor gone: shutting down")
+
+
+async def _until_stopped(wait_for_signal: Callable[[], Awaitable[None]]) -> None:
+    """Return on SIGTERM/SIGINT or when the supervisor is gone, whichever comes first."""
+    async with trio.open_nursery() as nursery:
+
+        async def then_stop(trigger: Callable[[], Awaitable[None]]) -> None:
+            await trigger()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(then_stop, wait_for_signal)
+        nursery.start_soon(then_stop, _supervisor_gone)
 
 
 def main(args: Sequence[str]) -> None:
     from .server import run_router, wait_for_signal
 
-    _stop_with_the_supervisor()
     row, name, lock_path, fd, metrics_fd = int(args[0]), args[1], args[2], *map(int, args[3:5])
     config = parse_config(args[5:])
     configure_logging(config.log_level, config.log_dir)
-    logging.getLogger("trio_pdrouter").info("worker=%d pid=%d starting", row, os.getpid())
+    log.info("worker=%d pid=%d starting", row, os.getpid())
     table = MachineTable.attach(name, lock_path)
 
     async def serve() -> None:
@@ -76,7 +86,7 @@ def main(args: Sequence[str]) -> None:
             await nursery.start(
                 lambda task_status: run_router(
                     config,
-                    shutdown_trigger=wait_for_signal,
+                    shutdown_trigger=lambda: _until_stopped(wait_for_signal),
                     ledger=ledger,
                     listen_fd=fd,
                     metrics_fd=None if metrics_fd < 0 else metrics_fd,

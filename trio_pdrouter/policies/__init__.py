@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from ..endpoints import Endpoint
 from ._base import DecisionObserver, Policy, PolicySettings, RoutingKey
-from .cache_aware import CacheAware
+from .cache_aware import CacheAware, InsertFeed
 from .consistent_hash import ConsistentHash
 from .kv_aware import KvAware, KvDecision, KvView
 from .power_of_two import PowerOfTwo
@@ -21,6 +21,7 @@ __all__ = [
     "CacheAware",
     "ConsistentHash",
     "DecisionObserver",
+    "InsertFeed",
     "KvAware",
     "KvDecision",
     "KvView",
@@ -53,6 +54,7 @@ def make_policy(
     on_decision: DecisionObserver,
     endpoints: Sequence[Endpoint] = (),
     rng: _random.Random | None = None,
+    feed: InsertFeed | None = None,
     kv: KvView | None = None,
 ) -> Policy:
     """Build the policy called ``name`` for one stage over ``endpoints``.
@@ -60,8 +62,9 @@ def make_policy(
     ``stage`` ("prefill", "decode" or "regular") labels the policy's log lines and decisions;
     ``on_decision`` is told ``(stage, reason)`` for every decision of a policy that gives
     reasons (``cache_aware``, ``kv_aware``); ``kv`` is what ``kv_aware`` reads of the KV
-    events (None: it uses its estimate only); ``rng`` is the only source of randomness (pass a
-    seeded one for reproducible tests).
+    events (None: it uses its estimate only); ``feed`` shares ``cache_aware``'s prefix-tree
+    inserts with the machine's other workers (``--workers N``); ``rng`` is the only source of
+    randomness (pass a seeded one for reproducible tests).
     """
     rng = rng or _random.Random()
     policy: Policy
@@ -74,7 +77,7 @@ def make_policy(
     elif name == "consistent_hash":
         policy = ConsistentHash(rng, virtual_nodes=settings.virtual_nodes)
     elif name == "cache_aware":
-        policy = CacheAware(settings, rng, stage=stage, on_decision=on_decision)
+        policy = CacheAware(settings, rng, stage=stage, on_decision=on_decision, feed=feed)
     elif name == "kv_aware":
         policy = KvAware(settings, rng, stage=stage, on_decision=on_decision, view=kv)
     else:

@@ -17,6 +17,9 @@ The loads are the stage's ``--load-metric``: request counts, or token weights, i
 expects it to hold, from which the prefill's token weight is estimated (:mod:`..weights`).
 
 The text is then inserted under the chosen endpoint, so the tree follows where prompts went.
+With a ``feed`` (``--workers N``: :class:`~trio_pdrouter.prefix_ring.PrefixFeed`) each choice
+first inserts what the other workers inserted since, then publishes its own insert, so every
+worker's tree follows where all the machine's prompts went.
 :meth:`CacheAware.maintain` trims every endpoint to ``max_tree_size`` characters (least recently
 used first) and :meth:`CacheAware.set_endpoints` forgets endpoints that left the stage.
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from ..endpoints import Endpoint
 from ._base import DecisionObserver, PolicySettings, RoutingKey
@@ -50,6 +54,14 @@ logger = logging.getLogger("trio_pdrouter.policy")
 EVICTION_SLICE = 256
 
 
+class InsertFeed(Protocol):
+    """Inserts shared with the other prefix trees of the machine (see the module doc)."""
+
+    def publish(self, key: str, text: str) -> None: ...
+
+    def news(self) -> list[tuple[str, str]]: ...
+
+
 class CacheAware:
     """Prefix-cache affinity guarded by a load-balance check; see the module docstring."""
 
@@ -62,12 +74,14 @@ class CacheAware:
         *,
         stage: str,
         on_decision: DecisionObserver,
+        feed: InsertFeed | None = None,
     ) -> None:
         self._settings = settings
         self._rng = rng
         self._stage = stage
         self.tree: RadixTree[Endpoint] = RadixTree()
-        self._endpoints: frozenset[Endpoint] = frozenset()
+        self._endpoints: dict[str, Endpoint] = {}
+        self._feed = feed
         self._on_decision = on_decision
         tokens = settings.stage_load_metric(stage) == "tokens"
         self._abs_threshold = (
@@ -82,6 +96,12 @@ class CacheAware:
         self, candidates: Sequence[Endpoint], loads: Mapping[Endpoint, int], key: RoutingKey
     ) -> Endpoint:
         s = self._settings
+        if self._feed is not None:
+            endpoints = self._endpoints
+            for ep_key, learnt in self._feed.news():
+                ep = endpoints.get(ep_key)
+                if ep is not None:
+                    self.tree.insert(learnt, ep)
         values = [loads.get(c, 0) for c in candidates]
         max_load, min_load = max(values), min(values)
         is_unbalanced = (
@@ -109,6 +129,8 @@ class CacheAware:
             chosen = least_loaded(candidates, loads, self._rng)
         if text:
             self.tree.insert(text, chosen)
+            if self._feed is not None:
+                self._feed.publish(chosen.key, text)
         self._on_decision(self._stage, reason)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
@@ -127,9 +149,10 @@ class CacheAware:
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
         current = frozenset(endpoints)
         # Tenants can also be endpoints the tree saw but this object was never told about.
-        for gone in (self._endpoints | frozenset(self.tree.tenants())) - current:
+        known = frozenset(self._endpoints.values()) | frozenset(self.tree.tenants())
+        for gone in known - current:
             self.tree.remove_tenant(gone)
-        self._endpoints = current
+        self._endpoints = {ep.key: ep for ep in endpoints}
 
     def maintain(self) -> bool:
         """Evict least-recently-used text so each endpoint keeps at most ``max_tree_size``
