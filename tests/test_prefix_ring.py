@@ -132,6 +132,17 @@ def test_workers_trees_follow_each_others_choices(table: MachineTable) -> None:
         assert w.tree.match(PREFIX)[1] == EPS[1]
 
 
+def test_token_weights_see_what_other_workers_sent_where(table: MachineTable) -> None:
+    """Routing asks held_chars for the token weights before it asks choose: that read too
+    must see the other workers' inserts."""
+    a, b = policy(table, 0), policy(table, 1)
+    text = PREFIX + "a question"
+    loads = {EPS[0]: 3, EPS[1]: 0, EPS[2]: 3, EPS[3]: 3}
+    assert a.choose(EPS, loads, RoutingKey(text)) == EPS[1]
+    held = b.held_chars(EPS, text)
+    assert held[EPS[1]] == len(text) and held[EPS[0]] == 0
+
+
 def test_an_endpoint_the_worker_does_not_know_is_not_learnt(table: MachineTable) -> None:
     feed(table, 1).publish("http://gone:1@0", PREFIX)
     worker = policy(table, 0)

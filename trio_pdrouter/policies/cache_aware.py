@@ -88,20 +88,26 @@ class CacheAware:
             settings.balance_token_threshold if tokens else settings.balance_abs_threshold
         )
 
-    def held_chars(self, candidates: Sequence[Endpoint], text: str) -> dict[Endpoint, int]:
-        """How many leading characters of ``text`` each candidate is expected to hold cached."""
-        return self.tree.match_each(text, frozenset(candidates))
-
-    def choose(
-        self, candidates: Sequence[Endpoint], loads: Mapping[Endpoint, int], key: RoutingKey
-    ) -> Endpoint:
-        s = self._settings
+    def _learn(self) -> None:
+        """Apply the other workers' inserts since the last look (``--workers N`` only), so
+        every read of the tree sees them."""
         if self._feed is not None:
             endpoints = self._endpoints
             for ep_key, learnt in self._feed.news():
                 ep = endpoints.get(ep_key)
                 if ep is not None:
                     self.tree.insert(learnt, ep)
+
+    def held_chars(self, candidates: Sequence[Endpoint], text: str) -> dict[Endpoint, int]:
+        """How many leading characters of ``text`` each candidate is expected to hold cached."""
+        self._learn()
+        return self.tree.match_each(text, frozenset(candidates))
+
+    def choose(
+        self, candidates: Sequence[Endpoint], loads: Mapping[Endpoint, int], key: RoutingKey
+    ) -> Endpoint:
+        s = self._settings
+        self._learn()
         values = [loads.get(c, 0) for c in candidates]
         max_load, min_load = max(values), min(values)
         is_unbalanced = (
