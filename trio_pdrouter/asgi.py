@@ -88,13 +88,7 @@ class Downstream:
         if self.first_chunk_at is None:
             self.first_chunk_at = trio.current_time()
         self.bytes_sent += len(data)
-        # _out written out: this is the relay's per-event send, one coroutine fewer.
-        self.sending = True
-        try:
-            await self._send({"type": "http.response.body", "body": data, "more_body": True})
-        finally:
-            self.sending = False
-            self.sends_done += 1
+        await self._out({"type": "http.response.body", "body": data, "more_body": True})
 
     async def finish(self, reply: Reply) -> None:
         """Send ``reply`` as the response's last message."""
