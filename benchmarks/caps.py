@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import orjson
 
+from .common import Context
 from .procs import ProcessSet, Service, start_router, start_sim
 
 FAST_SIM = [
@@ -205,7 +206,7 @@ def _endless(procs: ProcessSet) -> dict[str, Any]:
         upstream.server_close()
 
 
-def run(ctx: Any) -> dict[str, Any]:
+def run(ctx: Context) -> dict[str, Any]:
     result: dict[str, Any] = {
         "scenario": "caps",
         "profile": ctx.profile,
