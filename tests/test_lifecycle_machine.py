@@ -669,6 +669,13 @@ class LifecycleMachine(RuleBasedStateMachine):
         )
 
     @invariant()
+    def no_bytes_are_held_for_requests_that_ended(self) -> None:
+        """The process-wide buffer budget returns to exactly 0 once no request is served."""
+        if not self.app.proxy.in_flight:
+            held = self.app.metrics.registry.get_sample_value("trio_pdrouter_buffered_bytes")
+            assert held == 0, f"{held} bytes still counted for clients: {self._describe()}"
+
+    @invariant()
     def the_router_knows_where_each_request_is(self) -> None:
         """Each request the router serves moved only along the lifecycle table, and its phase
         and KV owner are what an observer of the client and the engines would say."""
