@@ -182,7 +182,7 @@ async def test_a_killed_worker_loses_its_charges_and_is_replaced_others_untouche
 async def test_workers_that_die_at_start_make_the_supervisor_give_up() -> None:
     config = RouterConfig(
         worker_urls=("http://127.0.0.1:9",),
-        server=ServerSettings(host="127.0.0.1", port=0, workers=2),
+        server=ServerSettings(host="127.0.0.1", port=0, workers=8),
     )
 
     def dies(*args: object) -> list[str]:

@@ -107,9 +107,17 @@ class Supervisor:
         n = self._config.server.workers
         try:
             async with trio.open_nursery() as nursery:
-                async with trio.open_nursery() as starting:  # all at once; done when all ready
-                    for row in range(n):
-                        starting.start_soon(nursery.start, self._keep_running, row)
+                ready: set[int] = set()
+                all_ready = trio.Event()
+
+                def on_ready(row: int) -> None:
+                    ready.add(row)
+                    if len(ready) == n:
+                        all_ready.set()
+
+                for row in range(n):  # all at once
+                    nursery.start_soon(self._keep_running, row, on_ready)
+                await all_ready.wait()
                 log.info("listening=%s workers=%d", self.url, n)
                 task_status.started(self.url)
                 await shutdown_trigger()
@@ -132,20 +140,15 @@ class Supervisor:
             trio.current_time() + self._config.server.graceful_timeout + KILL_AFTER
         )
 
-    async def _keep_running(self, row: int, *, task_status: trio.TaskStatus[None]) -> None:
+    async def _keep_running(self, row: int, on_ready: Callable[[int], None]) -> None:
         failures = 0
-        first = [task_status]  # reported once, by the first run that gets ready
-
-        def on_ready() -> None:
-            if first:
-                first.pop().started()
-
         while not self._stopping:
-            ready = await self._run_once(row, on_ready)
+            ready = await self._run_once(row, lambda: on_ready(row))
             if self._stopping:
                 return
             failures = 0 if ready else failures + 1
             if failures >= START_FAILURES:
+                self._stopping = True  # one give-up: a row failing in the same step returns
                 raise WorkersKeepDying(
                     f"worker {row} exited before it was ready {failures} times in a row;"
                     " its log is above"
