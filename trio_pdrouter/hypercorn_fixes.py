@@ -168,6 +168,8 @@ def write_at_once() -> None:
         stream: trio.abc.Stream = self.stream  # hypercorn's annotation names its TLS stream
         if type(event) is RawData and isinstance(stream, trio.SocketStream):
             conn = _CONNECTION.get()
+            if conn is not None and conn._server is not self:
+                conn = None
             data = event.data
             if conn is not None and conn.unsent:  # a send left bytes behind: they go first
                 data, conn.unsent = conn.unsent + data, b""
