@@ -5,6 +5,8 @@ the simulators here do the same (``--itl-base-s`` 20 ms, no per-running slowdown
 per token). Next to trio-pdrouter and vllm-router runs the floor (:mod:`benchmarks.floor`): the
 smallest relay hypercorn's trio worker can serve, on the same server stack. The router's CPU per
 event divided by the floor's in the same run is the figure the relay-cost goal is stated in.
+The router patches hypercorn's send path (``hypercorn_fixes.write_at_once``); "floor, write at
+once" is the same floor relay on the patched server, so both yardsticks are in every run.
 
 * regular: round_robin over 2 simulators x 4 DP ranks, 200-token streams, closed loops of
   64 / 256 / 1,000 clients;
@@ -64,7 +66,12 @@ def start_floor(procs: ProcessSet, name: str, flags: list[str]) -> Service:
 def _targets(
     ctx: Context, procs: ProcessSet, mode: str, flags: list[str], notes: list[str]
 ) -> dict[str, Service]:
-    targets = {"floor": start_floor(procs, f"floor-{mode}", flags)}
+    targets = {
+        "floor": start_floor(procs, f"floor-{mode}", flags),
+        "floor, write at once": start_floor(
+            procs, f"floor-once-{mode}", [*flags, "--write-at-once"]
+        ),
+    }
     ours_flags = ["--vllm-pd-disaggregation", *flags] if mode == "pd" else flags
     ours_flags = [*ours_flags, "--policy", "round_robin"]
     targets["ours"] = start_router(procs, f"ours-{mode}", "ours", ours_flags)
