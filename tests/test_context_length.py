@@ -5,10 +5,12 @@ from __future__ import annotations
 import itertools
 
 import httpx
+import orjson
 import pytest
 import trio
 import trio.testing
 
+from trio_pdrouter import prompt_tokens
 from trio_pdrouter.context_length import ContextCheck, utf8_bytes
 from trio_pdrouter.model_limits import ModelLimits
 from trio_pdrouter.policies import RoutingKey
@@ -252,3 +254,21 @@ def test_a_removed_server_is_forgotten() -> None:
     urls.clear()
     trio.run(limits.learn_due)
     assert limits.of("http://a:1") is None
+
+
+@pytest.mark.parametrize(
+    "request_body",
+    [
+        {"prompt": 'a"b\\c\nd\te\x01 é 日本 \U0001f600 ' * 7},
+        {"prompt": ""},
+        {"messages": [{"role": "user", "content": "hi"}]},
+        {"messages": [{"role": "user", "content": "hi"}], "prompt": "x"},
+    ],
+)
+async def test_a_count_sends_the_same_json_in_slices(
+    monkeypatch: pytest.MonkeyPatch, request_body: dict[str, object]
+) -> None:
+    monkeypatch.setattr(prompt_tokens, "SLICE_CHARS", 5)
+    sent = b"".join([part async for part in prompt_tokens._json_in_slices(request_body)])
+    assert orjson.loads(sent) == request_body
+    assert sent == orjson.dumps(request_body)

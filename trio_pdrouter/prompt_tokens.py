@@ -19,7 +19,8 @@ The rules:
 length check of :mod:`.context_length`). vLLM's answer starts with ``{"count": N, ...`` before
 the token list, so only the answer's first bytes are read and the connection is closed: a huge
 prompt's token list never crosses to the router. An answer shaped otherwise counts as a
-failure. Counts are not cached (the key would be the whole prompt).
+failure. A text prompt is sent in slices of :data:`SLICE_CHARS` characters (chunked), so the
+router holds no whole copy of it. Counts are not cached (the key would be the whole prompt).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 import attrs
 import httpx
@@ -53,6 +54,8 @@ _CHAT_FIELDS = (
 
 #: How much of a ``/tokenize`` answer :meth:`PromptTokens.count` reads to find the count.
 COUNT_HEAD_BYTES = 256
+#: Characters of a text prompt encoded at a time for :meth:`PromptTokens.count`.
+SLICE_CHARS = 256 * 1024
 _COUNT = re.compile(rb'\s*\{\s*"count"\s*:\s*([0-9]+)\s*[,}]')
 
 
@@ -122,12 +125,11 @@ class PromptTokens:
             return None
         self.calls += 1
         try:
-            raw = orjson.dumps(request)
             with trio.fail_after(self._timeout_s):
                 async with self._client.stream(
                     "POST",
                     url,
-                    content=raw,
+                    content=_json_in_slices(request),
                     headers={"Content-Type": "application/json", **self._headers},
                 ) as resp:
                     head = b""
@@ -173,3 +175,16 @@ class PromptTokens:
             self.failures += 1
             return None
         return tuple(tokens)
+
+
+async def _json_in_slices(request: Mapping[str, object]) -> AsyncIterator[bytes]:
+    """``orjson.dumps(request)``, a text prompt's slices encoded one at a time (a JSON string
+    escapes character by character, so its slices' escapes join into the whole's)."""
+    prompt = request.get("prompt")
+    if not isinstance(prompt, str) or len(request) != 1:
+        yield orjson.dumps(request)
+        return
+    yield b'{"prompt":"'
+    for start in range(0, len(prompt), SLICE_CHARS):
+        yield orjson.dumps(prompt[start : start + SLICE_CHARS])[1:-1]
+    yield b'"}'
