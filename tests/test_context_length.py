@@ -11,9 +11,9 @@ import trio
 import trio.testing
 
 from trio_pdrouter import prompt_tokens
-from trio_pdrouter.context_length import ContextCheck, utf8_bytes
+from trio_pdrouter.context_length import ContextCheck
 from trio_pdrouter.model_limits import ModelLimits
-from trio_pdrouter.policies import RoutingKey
+from trio_pdrouter.policies import RoutingKey, utf8_size
 from trio_pdrouter_sim.config import SimConfig
 
 from .cluster import Cluster, start_cluster
@@ -174,13 +174,13 @@ async def test_other_routes_and_unknown_limits_refuse_nothing() -> None:
 
 
 @pytest.mark.parametrize("text", ["", "abc", "é" * 10, "日本" * 3, "x" * 5 + "\U0001f600"])
-def test_utf8_bytes(text: str) -> None:
-    assert utf8_bytes(text) == len(text.encode())
+def test_utf8_size(text: str) -> None:
+    assert utf8_size(text) == len(text.encode())
 
 
 def test_utf8_bytes_of_a_long_text_in_slices() -> None:
     text = "é" * (3 << 20) + "a"
-    assert utf8_bytes(text) == 2 * (3 << 20) + 1
+    assert utf8_size(text) == 2 * (3 << 20) + 1
 
 
 # -- learning the limits ---------------------------------------------------------------------

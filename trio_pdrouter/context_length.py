@@ -33,7 +33,7 @@ from typing import Any
 
 from .errors import RouterError
 from .model_limits import ModelLimits
-from .policies import RoutingKey
+from .policies import RoutingKey, utf8_size
 from .prompt_tokens import PromptTokens, tokenize_request
 
 #: Tokens a tokenizer or chat template may add to the text's own (BOS, role headers, ...).
@@ -42,8 +42,6 @@ TEMPLATE_SLACK = 256
 COMPLETION_DEFAULT_CAP = 16
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-#: Characters encoded at a time when counting a non-ASCII text's UTF-8 bytes.
-_SLICE = 1 << 20
 
 
 class ContextCheck:
@@ -88,22 +86,12 @@ class ContextCheck:
                 if _over(len(key.tokens), room, cap)
                 else None
             )
-        if _over(utf8_bytes(key.text) + TEMPLATE_SLACK, room, cap) and self._tokens is not None:
+        if _over(utf8_size(key.text) + TEMPLATE_SLACK, room, cap) and self._tokens is not None:
             request = tokenize_request(body)
             counted = None if request is None else await self._tokens.count(request)
             if counted is not None and _over(counted, room, cap):
                 return _too_long(bound, counted, cap)
         return None
-
-
-def utf8_bytes(text: str) -> int:
-    """``len(text.encode())`` without encoding a huge text in one piece."""
-    if text.isascii():  # O(1) in CPython: a flag of the string
-        return len(text)
-    return sum(
-        len(text[i : i + _SLICE].encode("utf-8", "surrogatepass"))
-        for i in range(0, len(text), _SLICE)
-    )
 
 
 def _cap(path: str, body: Mapping[str, Any]) -> int | None:
