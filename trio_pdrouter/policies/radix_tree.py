@@ -50,7 +50,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Iterator
 from collections.abc import Set as AbstractSet
-from typing import Generic, NamedTuple, TypeVar
+from typing import Generic, TypeVar
 
 from ._labels import common_len, head_chars, utf8
 
@@ -59,12 +59,10 @@ __all__ = ["Inserted", "RadixTree"]
 T = TypeVar("T", bound=Hashable)
 
 
-class Inserted(NamedTuple):
-    """What one :meth:`RadixTree.insert` did: its stamp, and the leading characters of its text
-    the tenant owned already."""
-
-    stamp: int
-    held: int
+#: What one :meth:`RadixTree.insert` did: ``(stamp, held)``, its stamp and how many leading
+#: characters of its text the tenant owned already. (A plain tuple: a NamedTuple cost 0.8 µs an
+#: insert, measured.)
+Inserted = tuple[int, int]
 
 
 class _Node(Generic[T]):
@@ -196,7 +194,7 @@ class RadixTree(Generic[T]):
             self._queue[tenant] = []
             self._queued[tenant] = {}
         if not text:
-            return Inserted(self._clock, 0)
+            return self._clock, 0
         self._clock += 1
         stamp = self._clock
         node = self._root
@@ -209,7 +207,7 @@ class RadixTree(Generic[T]):
             child = node.children.get(first)
             if child is None:
                 label = text[pos:]
-                child = _Node(label, node, utf8(label))
+                child = _Node(label, node, len(label) if label.isascii() else utf8(label))
                 node.children[first] = child
                 k = end - pos
             else:
@@ -227,18 +225,19 @@ class RadixTree(Generic[T]):
         self._bytes[tenant] += added
         if tenant not in node.below:
             self._enqueue(tenant, node)
-        return Inserted(stamp, held)
+        return stamp, held
 
     def retract(self, text: str, tenant: T, mark: Inserted) -> int:
         """Undo the insert of ``text`` under ``tenant`` that returned ``mark``; return the bytes
         the tenant lost.
 
-        The tenant keeps the first ``mark.held`` characters (it owned them before) and every
-        node a later insert stamped again; it loses the rest of the text's path, deepest first,
-        while each node is still its leaf with ``mark``'s stamp. Eviction or removal since
+        The tenant keeps the first ``held`` characters of ``mark`` (it owned them before) and
+        every node a later insert stamped again; it loses the rest of the text's path, deepest
+        first, while each node is still its leaf with ``mark``'s stamp. Eviction or removal since
         only leaves less to undo. The cost is O(len(text)).
         """
-        if tenant not in self._bytes or len(text) <= mark.held:
+        stamp_of_insert, held = mark
+        if tenant not in self._bytes or len(text) <= held:
             return 0
         path: list[tuple[_Node[T], int]] = []  # the nodes wholly on the text's path, and starts
         node = self._root
@@ -254,15 +253,15 @@ class RadixTree(Generic[T]):
         removed = 0
         touched: list[_Node[T]] = []
         for node, start in reversed(path):
-            if start + len(node.label) <= mark.held:
+            if start + len(node.label) <= held:
                 break  # held before the insert
             stamp = node.stamps.get(tenant)
             if stamp is None:
                 continue  # evicted since
-            if stamp != mark.stamp or tenant in node.below:
+            if stamp != stamp_of_insert or tenant in node.below:
                 break  # stamped again since, or it leads to text the tenant keeps
-            if start < mark.held:
-                self._split(node, mark.held - start)  # ``node`` is the tail, not held before
+            if start < held:
+                self._split(node, held - start)  # ``node`` is the tail, not held before
             parent = node.parent
             assert parent is not None
             del node.stamps[tenant]
@@ -276,7 +275,7 @@ class RadixTree(Generic[T]):
             if parent is not self._root and tenant not in parent.below:
                 self._enqueue(tenant, parent)
             removed += node.size
-            if start < mark.held:
+            if start < held:
                 break
         self._bytes[tenant] -= removed
         self._compact(touched)
@@ -389,7 +388,7 @@ class RadixTree(Generic[T]):
         parent = node.parent
         assert parent is not None and 0 < k < len(node.label)
         label = node.label[:k]
-        head: _Node[T] = _Node(label, parent, utf8(label))
+        head: _Node[T] = _Node(label, parent, len(label) if label.isascii() else utf8(label))
         head.stamps = dict(node.stamps)
         head.below = dict.fromkeys(node.stamps, 1)
         parent.children[head.label[0]] = head
