@@ -8,8 +8,10 @@ import trio
 
 from trio_pdrouter.app import RouterApp
 from trio_pdrouter.config import RouterConfig
-from trio_pdrouter.endpoints import Role
-from trio_pdrouter.policies import CacheAware
+from trio_pdrouter.endpoints import Endpoint, Role
+from trio_pdrouter.load import LoadLedger
+from trio_pdrouter.policies import CacheAware, PolicySettings, RoutingKey, make_policy
+from trio_pdrouter.routing import NoHealthyEndpoint, Routing
 
 from .harness import (
     PREFILL_ANSWER,
@@ -117,3 +119,21 @@ async def test_concurrent_requests_with_one_prefix_follow_the_first(
         for body in bodies:
             body.push(b'data: {"choices":[{"text":"hi"}]}\n\ndata: [DONE]\n\n')
             body.end()
+
+
+def test_a_request_no_decode_can_take_leaves_the_prefill_tree() -> None:
+    settings = PolicySettings()
+    policies = {
+        role: make_policy(
+            "cache_aware", stage=role.value, settings=settings, on_decision=lambda *_: None
+        )
+        for role in (Role.PREFILL, Role.DECODE)
+    }
+    prefill = Endpoint("http://p:1", Role.PREFILL, 0)
+    routing = Routing(policies, LoadLedger([prefill]), (), None, by_tokens=())
+    routing.set_endpoints(Role.PREFILL, [prefill])
+    with pytest.raises(NoHealthyEndpoint):
+        routing.lease_pd(RoutingKey("never sent " * 10))
+    prefill_tree = policies[Role.PREFILL]
+    assert isinstance(prefill_tree, CacheAware)
+    assert prefill_tree.tree.tenant_bytes(prefill) == 0

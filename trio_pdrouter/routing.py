@@ -150,7 +150,12 @@ class Routing:
         before prefill starts, so concurrent arrivals see it)."""
         with self._ledger.charging():
             prefill, prefill_tokens = self._choose(Role.PREFILL, key, avoid_urls)
-            decode, decode_tokens = self._choose(Role.DECODE, key, avoid_urls)
+            try:
+                decode, decode_tokens = self._choose(Role.DECODE, key, avoid_urls)
+            except NoHealthyEndpoint:
+                for lesson in self.lessons(Role.PREFILL).values():
+                    lesson.unlearn()  # that prefill is never sent the request
+                raise
             # Decode is PENDING until its leg is sent: charged (policies see it) but not yet
             # visible to the engine (engine truth leaves it out).
             tokens = {prefill: prefill_tokens, decode: decode_tokens}
