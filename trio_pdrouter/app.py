@@ -87,7 +87,7 @@ class RouterApp:
         verdicts: Verdicts | None,
         kv_events: KvEvents | None,
         tokens: PromptTokens | None,
-        context: ContextCheck | None = None,
+        context: ContextCheck | None,
     ) -> None:
         self._config = config
         self._cors = Cors(config.cors_allowed_origins)
