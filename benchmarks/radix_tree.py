@@ -61,7 +61,7 @@ def _bench_size(size: int, budget: int, tenants: int, samples: int) -> list[dict
     count = 0
     for fraction in CHECKPOINTS:
         target = int(budget * fraction)
-        while min(tree.tenant_chars(t) for t in everyone) < target:
+        while min(tree.tenant_bytes(t) for t in everyone) < target:
             text = prompts.next()
             tree.insert(text, count % tenants)
             count += 1
@@ -94,7 +94,7 @@ def _bench_size(size: int, budget: int, tenants: int, samples: int) -> list[dict
         }
         if fraction == CHECKPOINTS[-1]:
             # Overfill by 10 % and time the periodic trim back to the budget.
-            while min(tree.tenant_chars(t) for t in everyone) < budget * 1.1:
+            while min(tree.tenant_bytes(t) for t in everyone) < budget * 1.1:
                 tree.insert(prompts.next(), count % tenants)
                 count += 1
             # The router evicts in slices (cache_aware.EVICTION_SLICE nodes each) and lets

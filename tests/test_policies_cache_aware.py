@@ -115,7 +115,7 @@ def test_set_endpoints_forgets_removed_tenants() -> None:
     policy = make()
     seeded(EPS[2], policy)
     policy.set_endpoints([EPS[0], EPS[1], EPS[3]])
-    assert policy.tree.tenant_chars(EPS[2]) == 0
+    assert policy.tree.tenant_bytes(EPS[2]) == 0
     assert policy.tree.match(PREFIX) == (0, None)
 
 

@@ -19,6 +19,7 @@ import trio
 from . import errors, pd, sampling
 from .asgi import Downstream, Headers, Receive, Reply, Scope, Send, answer_lifespan
 from .config import RouterConfig
+from .context_length import ContextCheck
 from .cors import Cors, origin_of
 from .endpoints import Role
 from .engine_truth import EngineTruth
@@ -66,7 +67,8 @@ class RouterApp:
     (``/get_loads``), the proxy (inference), the upstream client (``/v1/models``), metrics,
     the health board, engine truth (None when ``--engine-metrics-interval`` is 0), the
     peers' loads (None without ``--cluster-url``), the KV-event subscriber (None without
-    ``--kv-event-source``) and the prompt tokenizer calls (None without a ``kv_aware`` stage).
+    ``--kv-event-source``), the prompt tokenizer calls (None without a ``kv_aware`` stage) and
+    the context length check (None with ``--no-check-context-length``).
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class RouterApp:
         verdicts: Verdicts | None,
         kv_events: KvEvents | None,
         tokens: PromptTokens | None,
+        context: ContextCheck | None,
     ) -> None:
         self._config = config
         self._cors = Cors(config.cors_allowed_origins)
@@ -107,6 +110,8 @@ class RouterApp:
         #: calls kv_aware needs before routing.
         self.kv_events = kv_events
         self._tokens = tokens
+        #: Refuses prompts no candidate could hold (None with --no-check-context-length).
+        self.context = context
         self.routes: dict[str, dict[str, Handler]] = {
             "/health": {"GET": self._health},
             "/healthcheck": {"GET": self._health},  # vLLM's PD proxy example serves this one
@@ -229,6 +234,7 @@ class RouterApp:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise BadRequest(errors.bad_request(f"request body is not valid JSON: {exc}")) from None
+        del raw  # the parsed body is all that is kept: one copy less while checks await
         route = ROUTES[scope["path"]]
         _validate(route, body)
         if _nested_deeper_than(body, MAX_JSON_DEPTH):
@@ -237,6 +243,11 @@ class RouterApp:
         key = routing_key(body, headers)
         if self._tokens is not None:
             key = await self._tokens.key_with_tokens(body, key)
+        if self.context is not None:
+            # Before anything is chosen or charged: a prompt no decode could hold.
+            refusal = await self.context.refusal(route.path, body, key)
+            if refusal is not None:
+                raise BadRequest(refusal)
         return Inference(
             path=route.path,
             route=route,

@@ -222,6 +222,17 @@ class RouterConfig:
             action=argparse.BooleanOptionalAction,
         ),
     )
+    check_context_length: bool = setting(
+        True,
+        Flag(
+            "--check-context-length",
+            Group.REQUESTS,
+            "refuse (vLLM's 400) a completion or chat whose prompt + max_tokens fits no"
+            " candidate's max_model_len (from GET /v1/models), before any engine runs it;"
+            " text is counted by an engine's /tokenize, only when its bytes could not fit",
+            action=argparse.BooleanOptionalAction,
+        ),
+    )
     request_id_headers: tuple[str, ...] = setting(
         ("x-request-id", "x-correlation-id", "x-trace-id", "request-id"),
         Flag(

@@ -14,13 +14,21 @@ The rules:
 * Any failure (no healthy server, an error status, a timeout, a malformed answer) leaves the
   key without tokens: the policy then uses its estimate. The request is never failed for it.
 * This runs before routing (it awaits); routing itself stays synchronous.
+
+:meth:`PromptTokens.count` asks the same servers for a prompt's token count alone (the context
+length check of :mod:`.context_length`). vLLM's answer starts with ``{"count": N, ...`` before
+the token list, so only the answer's first bytes are read and the connection is closed: a huge
+prompt's token list never crosses to the router. An answer shaped otherwise counts as a
+failure. A text prompt is sent in slices of :data:`SLICE_CHARS` characters (chunked), so the
+router holds no whole copy of it. Counts are not cached (the key would be the whole prompt).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 import attrs
 import httpx
@@ -42,6 +50,13 @@ _CHAT_FIELDS = (
     "tools",
     "add_special_tokens",
 )
+
+
+#: How much of a ``/tokenize`` answer :meth:`PromptTokens.count` reads to find the count.
+COUNT_HEAD_BYTES = 256
+#: Characters of a text prompt encoded at a time for :meth:`PromptTokens.count`.
+SLICE_CHARS = 256 * 1024
+_COUNT = re.compile(rb'\s*\{\s*"count"\s*:\s*([0-9]+)\s*[,}]')
 
 
 def tokenize_request(body: Mapping[str, object]) -> dict[str, object] | None:
@@ -102,12 +117,47 @@ class PromptTokens:
         # The engine's count replaces the estimate from the text (the token weight uses it).
         return attrs.evolve(key, tokens=tokens, prompt_tokens=len(tokens))
 
-    async def _ask(self, raw: bytes) -> tuple[int, ...] | None:
+    async def count(self, request: Mapping[str, object]) -> int | None:
+        """The engine's token count for a ``/tokenize`` body (:func:`tokenize_request`), None
+        on any failure (see the module doc)."""
+        url = self._next_url()
+        if url is None:
+            return None
+        self.calls += 1
+        try:
+            with trio.fail_after(self._timeout_s):
+                async with self._client.stream(
+                    "POST",
+                    url,
+                    content=_json_in_slices(request),
+                    headers={"Content-Type": "application/json", **self._headers},
+                ) as resp:
+                    head = b""
+                    if resp.status_code == 200:
+                        async for chunk in resp.aiter_bytes():
+                            head += chunk
+                            if len(head) >= COUNT_HEAD_BYTES:
+                                break
+            found = _COUNT.match(head)
+        except Exception as exc:  # any failure lets the request through; never the router's
+            log.debug("tokenize count at %s failed: %r", url, exc)
+            found = None
+        if found is None:
+            self.failures += 1
+            return None
+        return int(found[1])
+
+    def _next_url(self) -> str | None:
         servers = self._servers()
         if not servers:
             return None
         self._turn = (self._turn + 1) % len(servers)
-        url = servers[self._turn] + "/tokenize"
+        return servers[self._turn] + "/tokenize"
+
+    async def _ask(self, raw: bytes) -> tuple[int, ...] | None:
+        url = self._next_url()
+        if url is None:
+            return None
         self.calls += 1
         try:
             with trio.fail_after(self._timeout_s):
@@ -125,3 +175,16 @@ class PromptTokens:
             self.failures += 1
             return None
         return tuple(tokens)
+
+
+async def _json_in_slices(request: Mapping[str, object]) -> AsyncIterator[bytes]:
+    """``orjson.dumps(request)``, a text prompt's slices encoded one at a time (a JSON string
+    escapes character by character, so its slices' escapes join into the whole's)."""
+    prompt = request.get("prompt")
+    if not isinstance(prompt, str) or len(request) != 1:
+        yield orjson.dumps(request)
+        return
+    yield b'{"prompt":"'
+    for start in range(0, len(prompt), SLICE_CHARS):
+        yield orjson.dumps(prompt[start : start + SLICE_CHARS])[1:-1]
+    yield b'"}'

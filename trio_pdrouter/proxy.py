@@ -159,6 +159,7 @@ class Proxy:
             if isinstance(result, Reply):
                 req.answered()
                 return _with_routing_headers(req, result)
+            attempt.unlearn_refused(result)
             if result.retriable and number < attempts and req.life.allows(Event.RETRY):
                 req.retrying()  # a prefill's KV blocks still held are reused by the next attempt
                 avoid_urls.append(result.endpoint.url)
@@ -181,22 +182,33 @@ class Proxy:
         """
         key = req.inf.key
         rid = req.inf.request_id
+        routing = self._routing
         if not self._config.pd:
-            lease, decode = self._routing.lease_one(Role.REGULAR, key, avoid_urls)
-            kv = self._routing.kv_note(Role.REGULAR)
-            return Attempt(number, None, decode, lease, rid, kv_note=kv)
+            lease, decode = routing.lease_one(Role.REGULAR, key, avoid_urls)
+            kv = routing.kv_note(Role.REGULAR)
+            lessons = routing.lessons(Role.REGULAR)
+            return Attempt(number, None, decode, lease, rid, kv_note=kv, lessons=lessons)
         if not req.inf.route.split:  # nothing to generate, nothing to split: one decode server
-            lease, decode = self._routing.lease_one(Role.DECODE, key, avoid_urls)
-            return Attempt(number, None, decode, lease, rid)
+            lease, decode = routing.lease_one(Role.DECODE, key, avoid_urls)
+            return Attempt(number, None, decode, lease, rid, lessons=routing.lessons(Role.DECODE))
         last = req.attempt
         if last is not None and last.prefill is not None and req.life.kv is KvOwner.PREFILL:
-            lease, decode = self._routing.lease_one(Role.DECODE, key, avoid_urls)
-            return Attempt(number, last.prefill, decode, lease, last.request_id, reuses_kv=True)
-        lease, prefill, decode = self._routing.lease_pd(key, avoid_urls)
-        kv = self._routing.kv_note(Role.PREFILL)
+            lease, decode = routing.lease_one(Role.DECODE, key, avoid_urls)
+            return Attempt(
+                number,
+                last.prefill,
+                decode,
+                lease,
+                last.request_id,
+                reuses_kv=True,
+                lessons=routing.lessons(Role.DECODE),
+            )
+        lease, prefill, decode = routing.lease_pd(key, avoid_urls)
+        kv = routing.kv_note(Role.PREFILL)
+        lessons = routing.lessons(Role.PREFILL, Role.DECODE)
         if self._config.kv_connector == "p2p_nccl":
             rid = pd.p2p_nccl_request_id(prefill, decode)
-        return Attempt(number, prefill, decode, lease, rid, kv_note=kv)
+        return Attempt(number, prefill, decode, lease, rid, kv_note=kv, lessons=lessons)
 
     async def _attempt(self, req: Request, attempt: Attempt) -> Reply | LegFailure:
         inf = req.inf

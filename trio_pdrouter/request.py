@@ -21,12 +21,12 @@ import trio
 
 from . import errors, sse
 from .asgi import Downstream, Headers, Reply
-from .endpoints import Endpoint
+from .endpoints import Endpoint, Role
 from .hypercorn_fixes import Connection
 from .lifecycle import Event, KvEvent, KvOwner, Lifecycle, outcome
 from .load import Lease
 from .outcomes import LegFailure, Verdict
-from .policies import RoutingKey
+from .policies import Lesson, RoutingKey
 from .record import RequestRecord
 from .routes import Route
 
@@ -70,6 +70,8 @@ class Attempt:
     reuses_kv: bool = False
     #: ``kv_aware``'s view of its choice (``matched/total;known``), when it chose.
     kv_note: str | None = None
+    #: What each stage's policy learnt from this attempt's choice (see :meth:`unlearn_refused`).
+    lessons: Mapping[Role, Lesson] = attrs.field(factory=dict)
 
     @property
     def stage(self) -> str:
@@ -79,6 +81,17 @@ class Attempt:
     @property
     def runs_prefill(self) -> bool:
         return self.prefill is not None and not self.reuses_kv
+
+    def unlearn_refused(self, failure: LegFailure) -> None:
+        """An engine refused the attempt (a 4xx before any token): its stage's policy, and those
+        of the stages after it (never reached), take back what the choice taught them. A stage
+        before it (a prefill that answered) did compute the prompt, and keeps it."""
+        if not failure.kind.startswith("status_4"):
+            return
+        after_prefill = failure.stage != "prefill"
+        for role, lesson in self.lessons.items():
+            if not (after_prefill and role is Role.PREFILL):
+                lesson.unlearn()
 
     def routing_headers(self) -> Headers:
         """Response headers that explain the decision: the request id and the endpoints."""

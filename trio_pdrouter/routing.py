@@ -26,7 +26,7 @@ from typing import Protocol, runtime_checkable
 from .endpoints import Endpoint, Role
 from .load import Lease, LoadLedger
 from .peers import PeerLoads
-from .policies import KvDecision, Policy, RoutingKey
+from .policies import KvDecision, Lesson, Policy, RoutingKey
 from .weights import uncached
 
 
@@ -43,6 +43,14 @@ class HoldsPrefixes(Protocol):
     def held_chars(self, candidates: Sequence[Endpoint], text: str) -> Mapping[Endpoint, int]:
         """How many leading characters of ``text`` each candidate probably holds cached."""
         ...
+
+
+@runtime_checkable
+class Teaches(Protocol):
+    """A policy whose choice teaches it something an engine's refusal takes back
+    (``cache_aware``'s insert): ``lesson`` is its last choice's, None if it learnt nothing."""
+
+    lesson: Lesson | None
 
 
 #: Extra admission test per endpoint (health, circuit breaker); True = may take traffic.
@@ -142,7 +150,12 @@ class Routing:
         before prefill starts, so concurrent arrivals see it)."""
         with self._ledger.charging():
             prefill, prefill_tokens = self._choose(Role.PREFILL, key, avoid_urls)
-            decode, decode_tokens = self._choose(Role.DECODE, key, avoid_urls)
+            try:
+                decode, decode_tokens = self._choose(Role.DECODE, key, avoid_urls)
+            except NoHealthyEndpoint:
+                for lesson in self.lessons(Role.PREFILL).values():
+                    lesson.unlearn()  # that prefill is never sent the request
+                raise
             # Decode is PENDING until its leg is sent: charged (policies see it) but not yet
             # visible to the engine (engine truth leaves it out).
             tokens = {prefill: prefill_tokens, decode: decode_tokens}
@@ -161,6 +174,17 @@ class Routing:
         policies); read right after a lease, in the same synchronous step."""
         last = getattr(self._policies.get(role), "last", None)
         return last.note() if isinstance(last, KvDecision) else None
+
+    def lessons(self, *roles: Role) -> dict[Role, Lesson]:
+        """What the policies of ``roles`` learnt in their last choice, to be taken back if the
+        engine chosen refuses the request; read right after a lease, in the same synchronous
+        step (as :meth:`kv_note`)."""
+        out: dict[Role, Lesson] = {}
+        for role in roles:
+            policy = self._policies.get(role)
+            if isinstance(policy, Teaches) and policy.lesson is not None:
+                out[role] = policy.lesson
+        return out
 
     def maintain(self) -> bool:
         """One slice of every policy's housekeeping; True while any has more to do."""

@@ -22,6 +22,7 @@ from .breaker import Breakers
 from .buffers import BufferBudget
 from .cluster_sync import ClusterSync, connect, exchange_timeout
 from .config import ClusterSettings, RouterConfig
+from .context_length import ContextCheck
 from .endpoints import Role, normalize_url
 from .engine_truth import EngineTruth
 from .fleet import Fleet, MachineServers
@@ -41,6 +42,7 @@ from .load import LoadLedger
 from .machine_health import PROBER_ROW, MachineVerdicts
 from .machine_ledger import MachineLedger
 from .metrics import MetricsApp, RouterMetrics
+from .model_limits import ModelLimits
 from .peers import PeerLoads
 from .policies import make_policy
 from .prefix_ring import PrefixFeed
@@ -107,11 +109,14 @@ def build_app(
     ledger = LoadLedger() if ledger is None else ledger
     metrics = RouterMetrics()
     fleet: Fleet
+    limits = ModelLimits(client, lambda: serving(), api_key=config.upstream_api_key)
 
     def health_changed(url: str, healthy: bool) -> None:
         log.log(logging.INFO if healthy else logging.WARNING, "url=%s healthy=%s", url, healthy)
         for ep in fleet.endpoints_of(url):
             metrics.health(ep.key, healthy)
+        if healthy:  # perhaps restarted with another model: learn its context length again
+            limits.relearn(url)
 
     verdicts = None
     prober = True  # this process probes health and scrapes the engines
@@ -231,6 +236,17 @@ def build_app(
     if kv_roles:
         at = lambda: sorted({ep.url for ep in routing.candidates(kv_roles[0])})  # noqa: E731
         tokens = PromptTokens(client, at, api_key=config.upstream_api_key)
+    generating = Role.DECODE if config.pd else Role.REGULAR
+
+    def serving() -> set[str]:
+        return {ep.url for ep in routing.candidates(generating)}
+
+    context = None
+    if config.check_context_length:
+        counter = tokens or PromptTokens(
+            client, lambda: sorted(serving()), api_key=config.upstream_api_key
+        )
+        context = ContextCheck(limits, serving, counter)
     return RouterApp(
         config,
         fleet=fleet,
@@ -245,6 +261,7 @@ def build_app(
         verdicts=None if prober else verdicts,
         kv_events=kv,
         tokens=tokens,
+        context=context,
     )
 
 
@@ -326,6 +343,8 @@ async def _run(
         nursery.start_soon(StallWatch(config.server.write_timeout, app.proxy.in_flight).run)
     if app.engine_truth is not None:
         nursery.start_soon(app.engine_truth.run)
+    if app.context is not None:
+        nursery.start_soon(app.context.limits.run)
     if config.health.interval_secs > 0 and app.verdicts is not None:
         nursery.start_soon(app.health.follow, app.verdicts, FOLLOW_INTERVAL)
     elif config.health.interval_secs > 0:

@@ -115,6 +115,8 @@ class SimState:
         self.series_t: deque[float] = deque(maxlen=maxlen)
         self.series_running: deque[list[int]] = deque(maxlen=maxlen)
         self._tie_break = 0
+        #: HTTP requests received per path, whatever their answer (refused ones included).
+        self.received: dict[str, int] = {}
         #: Set by the server: runs background tasks (KV expiry) for the server's lifetime.
         self.nursery: trio.Nursery | None = None
         #: Set by the server: closes the listener, reopening after the given seconds if any.
@@ -144,6 +146,7 @@ class SimState:
         self.series_running.clear()
         self.started_at = trio.current_time()
         self.faults.injected = 0
+        self.received.clear()
 
     def stats(self) -> dict[str, Any]:
         """``GET /sim/stats``: the ground truth. Keys (stable, tests depend on them):
@@ -161,7 +164,9 @@ class SimState:
         * ``series``: ``{"interval_ms": 50, "t": [seconds since start or reset],
           "running": [[running per engine], ...]}``, the last ``series_window_s`` seconds;
         * ``connections``: client TCP connections open now (see :mod:`.netinfo`);
-        * ``kv_holds``, ``faults_injected``.
+        * ``kv_holds``, ``faults_injected``;
+        * ``received``: HTTP requests received per path since start or reset, whatever their
+          answer (a 400 included; ``/sim/*`` control routes not counted).
         """
         engines = [e.stats() for e in self.engines]
         totals: dict[str, float] = {}
@@ -183,6 +188,7 @@ class SimState:
             "connections": netinfo.count_connections(self.port) if self.port else 0,
             "kv_holds": len(self.kv),
             "faults_injected": self.faults.injected,
+            "received": dict(self.received),
         }
 
     def metrics_text(self) -> str:
@@ -344,6 +350,9 @@ class SimApp:
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
+        if not path.startswith("/sim/"):
+            received = self.state.received
+            received[path] = received.get(path, 0) + 1
         routes: dict[str, dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]]] = {
             "/health": {"GET": self._health},
             "/version": {"GET": self._version},

@@ -6,7 +6,8 @@ import random as _random
 from collections.abc import Sequence
 
 from ..endpoints import Endpoint
-from ._base import DecisionObserver, Policy, PolicySettings, RoutingKey
+from ._base import DecisionObserver, Lesson, Policy, PolicySettings, RoutingKey
+from ._labels import utf8 as utf8_size
 from .cache_aware import CacheAware, InsertFeed
 from .consistent_hash import ConsistentHash
 from .kv_aware import KvAware, KvDecision, KvView
@@ -25,6 +26,7 @@ __all__ = [
     "KvAware",
     "KvDecision",
     "KvView",
+    "Lesson",
     "Policy",
     "PolicySettings",
     "PowerOfTwo",
@@ -34,6 +36,7 @@ __all__ = [
     "RoutingKey",
     "make_policy",
     "routing_key",
+    "utf8_size",
 ]
 
 POLICY_NAMES = (

@@ -143,7 +143,7 @@ class PolicySettings:
         Flag(
             "--max-tree-size",
             Group.ROUTING_POLICY,
-            "cache_aware: characters each endpoint may keep in the prefix tree",
+            "cache_aware: bytes of text (UTF-8) each endpoint may keep in the prefix tree",
             type=int,
         ),
         check=positive,
@@ -189,6 +189,19 @@ class PolicySettings:
         if self.load_metric:
             return self.load_metric
         return "tokens" if stage == "prefill" else "requests"
+
+
+@attrs.frozen(eq=False)
+class Lesson:
+    """What one choice taught a policy, and how to take it back.
+
+    ``cache_aware`` inserts the routing text under the endpoint it chose, so that concurrent
+    requests with that prefix follow; when that endpoint's engine then refuses the request, its
+    cache never held the text and :attr:`unlearn` takes the insert back (the router calls it:
+    :meth:`~trio_pdrouter.routing.Routing.lessons`).
+    """
+
+    unlearn: Callable[[], None]
 
 
 #: Told ``(stage, reason)`` for every decision of a policy that has reasons (the router counts

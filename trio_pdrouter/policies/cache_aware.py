@@ -16,11 +16,20 @@ The loads are the stage's ``--load-metric``: request counts, or token weights, i
 :meth:`CacheAware.held_chars` tells routing, per candidate, how much of a text the tree
 expects it to hold, from which the prefill's token weight is estimated (:mod:`..weights`).
 
-The text is then inserted under the chosen endpoint, so the tree follows where prompts went.
+The text is then inserted under the chosen endpoint, so the tree follows where prompts went
+(and concurrent requests with one prefix follow each other before the first has finished).
+The choice leaves a :class:`~._base.Lesson` in :attr:`CacheAware.lesson`; the router calls it
+when that endpoint's engine refused the request (4xx before any token), which retracts the
+insert: the endpoint's share of the tree goes back to what it held before, except where a later
+insert wanted the same text (:meth:`~.radix_tree.RadixTree.retract`). The tree is budgeted in
+UTF-8 bytes.
 With a ``feed`` (``--workers N``: :class:`~trio_pdrouter.prefix_ring.PrefixFeed`) each choice
 first inserts what the other workers inserted since, then publishes its own insert, so every
-worker's tree follows where all the machine's prompts went.
-:meth:`CacheAware.maintain` trims every endpoint to ``max_tree_size`` characters (least recently
+worker's tree follows where all the machine's prompts went. Retractions stay in their worker:
+the other trees have inserted the text with stamps of their own, which a retraction message
+could not name without a log of marks per published insert; what they hold of a refused prompt
+ages out under their byte budget like any text that is not used again.
+:meth:`CacheAware.maintain` trims every endpoint to ``max_tree_size`` bytes (least recently
 used first) and :meth:`CacheAware.set_endpoints` forgets endpoints that left the stage.
 
 Each decision logs one debug line on ``trio_pdrouter.policy``::
@@ -42,9 +51,9 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from ..endpoints import Endpoint
-from ._base import DecisionObserver, PolicySettings, RoutingKey
+from ._base import DecisionObserver, Lesson, PolicySettings, RoutingKey
 from ._choice import least_loaded
-from .radix_tree import RadixTree
+from .radix_tree import Inserted, RadixTree
 
 logger = logging.getLogger("trio_pdrouter.policy")
 
@@ -83,6 +92,9 @@ class CacheAware:
         self._endpoints: dict[str, Endpoint] = {}
         self._feed = feed
         self._on_decision = on_decision
+        #: What the last choice taught the tree (None without routing text); read by routing
+        #: right after it chose, in the same synchronous step.
+        self.lesson: Lesson | None = None
         tokens = settings.stage_load_metric(stage) == "tokens"
         self._abs_threshold = (
             settings.balance_token_threshold if tokens else settings.balance_abs_threshold
@@ -133,8 +145,10 @@ class CacheAware:
             chosen = matched
         else:
             chosen = least_loaded(candidates, loads, self._rng)
+        self.lesson = None
         if text:
-            self.tree.insert(text, chosen)
+            mark = self.tree.insert(text, chosen)
+            self.lesson = Lesson(lambda: self._retract(text, chosen, mark))
             if self._feed is not None:
                 self._feed.publish(chosen.key, text)
         self._on_decision(self._stage, reason)
@@ -152,6 +166,10 @@ class CacheAware:
             )
         return chosen
 
+    def _retract(self, text: str, endpoint: Endpoint, mark: Inserted) -> None:
+        removed = self.tree.retract(text, endpoint, mark)
+        logger.debug("stage=%s retracted=%d bytes endpoint=%s", self._stage, removed, endpoint.key)
+
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
         current = frozenset(endpoints)
         # Tenants can also be endpoints the tree saw but this object was never told about.
@@ -162,7 +180,7 @@ class CacheAware:
 
     def maintain(self) -> bool:
         """Evict least-recently-used text so each endpoint keeps at most ``max_tree_size``
-        characters, one bounded slice per call; True while more remains to evict."""
+        bytes, one bounded slice per call; True while more remains to evict."""
         budget = self._settings.max_tree_size
         self.tree.evict(budget, max_steps=EVICTION_SLICE)
         return self.tree.over_budget(budget)
