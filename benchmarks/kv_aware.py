@@ -4,7 +4,8 @@ Two prefill simulators (each engine's prefix cache holds about 6 of the 32 prefi
 the fleet holds about 12) publish vLLM's KV events; one decode simulator; prefill costs
 0.4 ms per uncached token, so a miss costs about 200 ms of TTFT. Closed loops of 64 streaming
 clients. Each configuration runs with one router, then with two replicas behind the clients
-split in half (what a round-robin Service gives clients that keep their connections).
+split in half (what a round-robin Service gives clients that keep their connections), then
+with one router of ``--workers 2`` (the supervisor's one subscription fanned out to both).
 Figures from the simulators' truth: the prefill prefix-hit rate (cached / prompt tokens), and
 the load generator's TTFT p50/p99 and req/s.
 First, in front of warm engines (10 prefix groups sent twice through a first router: each
@@ -39,7 +40,7 @@ LOAD = [
 
 def estimate(profile: str) -> float:
     p = PROFILES[profile]
-    return float(p["repeats"] * 6 * (p["seconds"] + 8) + 60)
+    return float(p["repeats"] * 8 * (p["seconds"] + 8) + 60)
 
 
 def _prefill_flags() -> list[str]:
@@ -83,6 +84,7 @@ def _one(
     kind: str,
     policy: str,
     replicas: int,
+    workers: int = 1,
 ) -> dict[str, Any]:
     prefill, decode = sims
     for sim in [*prefill, decode]:
@@ -90,6 +92,8 @@ def _one(
     flags = _router_flags(kind, policy, prefill, decode)
     if policy == "kv_aware":
         flags += _sources(client, prefill)
+    if workers > 1:
+        flags += ["--workers", str(workers)]
     routers = [start_router(procs, f"{kind}-{policy}-{i}", kind, flags) for i in range(replicas)]
     seconds = str(PROFILES[ctx.profile]["seconds"])
     try:
@@ -114,6 +118,7 @@ def _one(
         "router": kind,
         "policy": policy,
         "replicas": replicas,
+        "workers": workers,
         "hit_rate": hits / queries if queries else 0.0,
         "ttfb_p50_ms": percentile(ttfb, 0.5) * 1000,
         "ttfb_p99_ms": percentile(ttfb, 0.99) * 1000,
@@ -216,6 +221,9 @@ def run(ctx: Context) -> dict[str, Any]:
                 for replicas in (1, 2):
                     ctx.progress.phase(f"{kind} {policy} x{replicas} (run {rep + 1})")
                     rows.append(_one(ctx, procs, client, sims, kind, policy, replicas))
+                if kind == "ours":
+                    ctx.progress.phase(f"{kind} {policy} --workers 2 (run {rep + 1})")
+                    rows.append(_one(ctx, procs, client, sims, kind, policy, 1, workers=2))
         result["configs"] = rows
     finally:
         client.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import unquote
@@ -287,7 +288,9 @@ class RouterApp:
 
     async def _kv_index(self, scope: Scope, receive: Receive, send: Send) -> None:
         rows = self.kv_events.snapshot() if self.kv_events is not None else []
-        await _reply(send, Reply.json(orjson.dumps({"engines": rows})))
+        # The pid says which process answered (with --workers N, each worker has its own view).
+        body = {"pid": os.getpid(), "engines": rows}
+        await _reply(send, Reply.json(orjson.dumps(body)))
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = self.metrics.exposition()

@@ -5,11 +5,14 @@ server's engines publish on, one per DP rank in rank order; ``--pd-kv-events`` i
 prefill server in PD mode; ``--kv-event-replay-source`` gives the matching replay (ROUTER)
 endpoints. One endpoint for a server of ``--dp-size N`` stands for all its ranks at vLLM's
 offsets: rank ``r`` on port + ``r``. An endpoint with ``*`` is bound here (vLLM connects to
-it); any other is connected to (vLLM bound it), as vLLM decides for its own side.
+it), as is one prefixed ``bind:`` (that address only); any other is connected to (vLLM bound
+it), as vLLM decides for its own side.
 
 :func:`event_sources` turns the settings into :class:`~.kv_subscriber.EventSource` values,
 refusing (``ConfigError``) a server the router does not route to, a rank count that does not
-match, or a malformed value.
+match, or a malformed value. With ``--workers N`` the supervisor follows those sources once
+for the machine (:mod:`.kv_fanout`) and each worker's :func:`kv_events_for` subscribes to the
+supervisor's local copies instead.
 """
 
 from __future__ import annotations
@@ -21,10 +24,17 @@ import attrs
 
 from .endpoints import Endpoint, normalize_url
 from .flags import ConfigError, Flag, Group, positive, setting
-from .kv_subscriber import EventSource, KvEvents
+from .kv_fanout import relayed
+from .kv_subscriber import BIND, EventSource, KvEvents
 from .policies import PolicySettings
 
-__all__ = ["KvEventSettings", "event_sources", "kv_events_for", "medium_weights"]
+__all__ = [
+    "KvEventSettings",
+    "event_sources",
+    "kv_events_for",
+    "medium_weights",
+    "sources_for",
+]
 
 
 def _tuple(values: list[str] | None) -> tuple[str, ...]:
@@ -116,8 +126,10 @@ def _parse(values: Sequence[str], spelling: str) -> dict[str, list[str]]:
             raise ConfigError(f"{spelling}: {exc}") from None
         listed = [e.strip() for e in endpoints.split(",") if e.strip()]
         for endpoint in listed:
-            if not endpoint.startswith(("tcp://", "ipc://")):
-                raise ConfigError(f"{spelling} {endpoint!r}: a ZMQ endpoint is tcp:// or ipc://")
+            if not endpoint.removeprefix(BIND).startswith(("tcp://", "ipc://")):
+                raise ConfigError(
+                    f"{spelling} {endpoint!r}: a ZMQ endpoint is [bind:]tcp:// or [bind:]ipc://"
+                )
         out.setdefault(key, []).extend(listed)
     return out
 
@@ -173,20 +185,31 @@ def medium_weights(settings: PolicySettings) -> dict[str, float]:
     }
 
 
-def kv_events_for(
-    settings: KvEventSettings, policy: PolicySettings, endpoints: Iterable[Endpoint]
-) -> KvEvents | None:
-    """The subscriber for these settings over the router's ``endpoints`` (None without any
-    event source)."""
-    if not settings.any:
-        return None
+def sources_for(settings: KvEventSettings, endpoints: Iterable[Endpoint]) -> list[EventSource]:
+    """The event sources of ``settings`` over the router's ``endpoints`` (every role's)."""
     by_url: dict[str, list[Endpoint]] = {}
     for ep in endpoints:  # a server in two roles (prefill and decode) is one set of engines
         ranks = by_url.setdefault(ep.url, [])
         if ep.rank not in (r.rank for r in ranks):
             ranks.append(ep)
+    return event_sources(settings, by_url)
+
+
+def kv_events_for(
+    settings: KvEventSettings,
+    policy: PolicySettings,
+    endpoints: Iterable[Endpoint],
+    *,
+    relay_dir: str | None = None,
+) -> KvEvents | None:
+    """The subscriber for these settings over the router's ``endpoints`` (None without any
+    event source). ``relay_dir``: a worker of ``--workers N``, whose live events come from the
+    supervisor's fan-out in that directory (:mod:`.kv_fanout`)."""
+    if not settings.any:
+        return None
+    sources = sources_for(settings, endpoints)
     return KvEvents(
-        event_sources(settings, by_url),
+        sources if relay_dir is None else relayed(sources, relay_dir),
         block_size=settings.block_size,
         weights=medium_weights(policy),
         budget=settings.index_blocks,

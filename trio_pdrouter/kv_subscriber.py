@@ -9,7 +9,8 @@ feeds it. pyzmq runs under trio without threads, with these rules:
 * Bind or connect as vLLM decides for its side: an endpoint with ``*`` binds (vLLM connects to
   it), any other connects. So vLLM started with ``tcp://*:5557`` is reached as
   ``tcp://host:5557``, and vLLM started with ``tcp://router-host:5557`` needs ``tcp://*:5557``
-  here.
+  here (every interface) or ``bind:tcp://router-host:5557`` (that address only: the prefix
+  :data:`BIND` binds what follows it).
 * Replay: the DEALER sends ``[b"", start_seq]`` and reads ``[b"", (topic,) seq, payload]``
   frames until the end marker (seq -1); no end marker within ``replay_timeout_s`` fails the
   replay, and the DEALER is replaced so a late answer cannot be taken for the next one.
@@ -32,11 +33,13 @@ from .kv_feed import Feed
 from .kv_index import BlockIndex
 from .kv_wire import Batch, MalformedFrame, decode_message, decode_payload
 
-__all__ = ["EventSource", "KvEvents"]
+__all__ = ["BIND", "EventSource", "KvEvents", "attach", "close", "socket_fd"]
 
 log = logging.getLogger("trio_pdrouter.kv_events")
 
 _END = -1
+#: An endpoint's prefix that binds the address after it (see the module doc).
+BIND = "bind:"
 #: Replayed frames decoded between checkpoints.
 _DECODE_SLICE = 64
 
@@ -55,21 +58,26 @@ class EventSource:
         return self.url if self.rank is None else f"{self.url}@{self.rank}"
 
 
-def _attach(sock: zmq.Socket[bytes], endpoint: str) -> None:
-    if "*" in endpoint:
+def attach(sock: zmq.Socket[bytes], endpoint: str) -> None:
+    """Bind or connect ``sock`` to ``endpoint`` by the module doc's rule."""
+    if endpoint.startswith(BIND):
+        sock.bind(endpoint.removeprefix(BIND))
+    elif "*" in endpoint:
         sock.bind(endpoint)
     else:
         sock.connect(endpoint)
 
 
-def _fd(sock: zmq.Socket[bytes]) -> int:
+def socket_fd(sock: zmq.Socket[bytes]) -> int:
+    """The socket's edge-triggered FD, for ``trio.lowlevel.wait_readable``."""
     fd = sock.getsockopt(zmq.FD)
     assert isinstance(fd, int)
     return fd
 
 
-def _close(sock: zmq.Socket[bytes]) -> None:
-    trio.lowlevel.notify_closing(_fd(sock))
+def close(sock: zmq.Socket[bytes]) -> None:
+    """Tell trio the FD is going (``notify_closing``), then close without lingering."""
+    trio.lowlevel.notify_closing(socket_fd(sock))
     sock.close(linger=0)
 
 
@@ -127,7 +135,7 @@ class KvEvents:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.RCVHWM, 100_000)
         try:
-            _attach(sub, source.endpoint)
+            attach(sub, source.endpoint)
         except zmq.ZMQError as exc:
             sub.close(linger=0)
             log.warning("kv events: cannot attach %s to %s: %s", source.key, source.endpoint, exc)
@@ -145,7 +153,7 @@ class KvEvents:
 
     async def _live(self, source: EventSource, sub: zmq.Socket[bytes]) -> None:
         feed = self.feeds[(source.url, source.rank)]
-        fd = _fd(sub)
+        fd = socket_fd(sub)
         try:
             while True:
                 drained = 0
@@ -163,7 +171,7 @@ class KvEvents:
                 else:
                     await trio.lowlevel.checkpoint()
         finally:
-            _close(sub)
+            close(sub)
 
     def _decode(self, source: EventSource, frames: Sequence[bytes]) -> Batch | None:
         try:
@@ -200,14 +208,14 @@ class KvEvents:
                     continue
                 batches = await self._replay(source, dealer, start)
                 if batches is None:
-                    _close(dealer)
+                    close(dealer)
                     dealer = self._dealer(endpoint)
                     log.warning("kv events: replay from %s failed (seq %d)", source.key, start)
                     feed.replay_failed(start)
                 else:
                     feed.replayed(start, batches)
         finally:
-            _close(dealer)
+            close(dealer)
 
     def _dealer(self, endpoint: str) -> zmq.Socket[bytes]:
         dealer = self._context.socket(zmq.DEALER)
@@ -219,7 +227,7 @@ class KvEvents:
         self, source: EventSource, dealer: zmq.Socket[bytes], start: int
     ) -> list[Batch] | None:
         """The batches from ``start`` on, or None when the replay failed."""
-        fd = _fd(dealer)
+        fd = socket_fd(dealer)
         frames: list[list[bytes]] = []
         with trio.move_on_after(self._replay_timeout_s):
             try:

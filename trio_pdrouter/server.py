@@ -133,7 +133,10 @@ def build_app(
     )
     rng = random.Random()
     every = [ep for endpoints in config.endpoints().values() for ep in endpoints]
-    kv = kv_events_for(config.kv_events, config.policy_settings, every)
+    relay_dir = None  # a worker of --workers N: the supervisor's fan-out beside the lock file
+    if isinstance(ledger, MachineLedger):
+        relay_dir = os.path.dirname(ledger.table.lock_path)
+    kv = kv_events_for(config.kv_events, config.policy_settings, every, relay_dir=relay_dir)
     if kv is not None:
         metrics.registry.register(KvCollector(kv))
 

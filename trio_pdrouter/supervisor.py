@@ -12,6 +12,10 @@ Rules of this module:
 * A worker that exits while the supervisor is not stopping is restarted at once. A worker that
   dies before it is ready :data:`START_FAILURES` times in a row means the configuration cannot
   run: the supervisor stops the others and exits 1 with a message naming the worker.
+* With KV event sources (``--kv-event-source``, ``--pd-kv-events``) it owns the machine's one
+  subscription per source and fans the frames out to the workers over ``ipc://`` endpoints in
+  its temporary directory, the one holding the machine table's lock file
+  (:mod:`~trio_pdrouter.kv_fanout`); it is bound before any worker starts.
 * SIGTERM/SIGINT: every worker gets SIGTERM and follows the single-process graceful rules
   (``--graceful-timeout-secs``); a worker still running a few seconds past that is killed.
   The supervisor exits 0 once all have exited.
@@ -30,6 +34,8 @@ from pathlib import Path
 import trio
 
 from .config import RouterConfig
+from .kv_fanout import KvFanout
+from .kv_sources import sources_for
 from .machine_table import MachineTable
 from .worker import READY, WorkerCommand, worker_command
 
@@ -211,13 +217,23 @@ async def supervise(
     command: WorkerCommand = worker_command,
     task_status: trio.TaskStatus[Supervisor] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Create the machine table, run the workers until ``shutdown_trigger`` returns, clean up."""
+    """Create the machine table (and the KV-event fan-out), run the workers until
+    ``shutdown_trigger`` returns, clean up."""
     with tempfile.TemporaryDirectory(prefix="trio-pdrouter-") as tmp:
         table = MachineTable.create(config.server.workers, str(Path(tmp) / "ledger.lock"))
         try:
             supervisor = Supervisor(config, argv, table, command)
             async with trio.open_nursery() as nursery:
-                await nursery.start(supervisor.run, shutdown_trigger)
+                if config.kv_events.any:
+                    every = [ep for eps in config.endpoints().values() for ep in eps]
+                    fanout = KvFanout(sources_for(config.kv_events, every), tmp)
+                    await nursery.start(fanout.run)
+
+                async def serve(*, task_status: trio.TaskStatus[str]) -> None:
+                    await supervisor.run(shutdown_trigger, task_status=task_status)
+                    nursery.cancel_scope.cancel()  # the workers are gone: so is the fan-out
+
+                await nursery.start(serve)
                 task_status.started(supervisor)
         finally:
             table.destroy()

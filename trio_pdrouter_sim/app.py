@@ -83,19 +83,20 @@ class SimState:
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config
-        #: KV events (``--kv-events-port``): one publisher per engine.
+        #: KV events (``--kv-events-port`` or ``--kv-events-connect``): one publisher per engine.
         self.kv_events = (
             KvPublishers(
                 host=config.host,
                 dp_size=config.dp_size,
                 block_size=config.block_size,
-                pub_port=config.kv_events_port,
+                pub_port=config.kv_events_port or 0,
+                connect=config.kv_events_connect,
                 replay_port=config.kv_replay_port,
                 layout="array" if config.kv_events_layout == "array" else "map",
                 buffer=config.kv_events_buffer,
                 join_delay_s=config.kv_events_join_delay_s,
             )
-            if config.kv_events_port is not None
+            if config.kv_events_port is not None or config.kv_events_connect is not None
             else None
         )
         journals = self.kv_events.journals if self.kv_events is not None else None

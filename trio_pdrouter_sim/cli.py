@@ -206,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
         " --host (0: any free port per rank; default: off)",
     )
     p.add_argument(
+        "--kv-events-connect",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="publish vLLM's KV events by connecting each rank's PUB to this endpoint, rank r"
+        " on port+r (vLLM's way for an endpoint without '*': the router binds it)",
+    )
+    p.add_argument(
         "--kv-replay-port",
         type=int,
         default=None,

@@ -82,6 +82,9 @@ class SimConfig:
     #: rank; None: no events), replay ROUTER port likewise, payload layout, batches kept for
     #: replay, and seconds after start whose batches are not sent live (the slow joiner).
     kv_events_port: int | None = None
+    #: Or connect each rank's PUB to this endpoint (rank r: port + r), as vLLM does for an
+    #: endpoint without ``*``: the router binds it.
+    kv_events_connect: str | None = None
     kv_replay_port: int | None = None
     kv_events_layout: str = attrs.field(
         default="map", validator=attrs.validators.in_(("map", "array"))

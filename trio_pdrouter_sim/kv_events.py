@@ -222,9 +222,11 @@ class KvPublishers:
     """The PUB (and replay ROUTER) sockets of every DP rank of one server, and their journals.
 
     Rank ``r`` binds ``host:pub_port + r`` (and ``host:replay_port + r``), as vLLM offsets its
-    ports per rank; a port of 0 binds any free port per rank. :attr:`endpoints` and
-    :attr:`replay_endpoints` give what was bound. :meth:`run` answers replays until cancelled,
-    then closes every socket.
+    ports per rank; a port of 0 binds any free port per rank. With ``connect``
+    (``tcp://HOST:PORT``) each rank's PUB connects to ``PORT + r`` instead (vLLM's way for an
+    endpoint without ``*``); the replay ROUTER is bound either way, as vLLM binds it.
+    :attr:`endpoints` and :attr:`replay_endpoints` give what was bound (or connected to).
+    :meth:`run` answers replays until cancelled, then closes every socket.
     """
 
     def __init__(
@@ -235,6 +237,7 @@ class KvPublishers:
         block_size: int,
         pub_port: int,
         replay_port: int | None,
+        connect: str | None = None,
         layout: Layout = "map",
         buffer: int = 10_000,
         join_delay_s: float = 0.0,
@@ -249,7 +252,12 @@ class KvPublishers:
         for rank in range(dp_size):
             pub = ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.LINGER, 0)
-            self.endpoints.append(_bind(pub, host, pub_port, rank))
+            if connect is None:
+                self.endpoints.append(_bind(pub, host, pub_port, rank))
+            else:
+                base, _, port = connect.rpartition(":")
+                self.endpoints.append(f"{base}:{int(port) + rank}")
+                pub.connect(self.endpoints[-1])
             self._pubs.append(pub)
             if replay_port is not None:
                 router = ctx.socket(zmq.ROUTER)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random as _random
 from collections.abc import Sequence
 
+import trio
+
 from ..endpoints import Endpoint
 from ._base import DecisionObserver, Lesson, Policy, PolicySettings, RoutingKey
 from ._labels import utf8 as utf8_size
@@ -16,6 +18,7 @@ from .radix_tree import RadixTree
 from .random import Random
 from .round_robin import RoundRobin
 from .routing_key import routing_key
+from .session_affinity import SessionTable
 
 __all__ = [
     "POLICY_NAMES",
@@ -82,7 +85,13 @@ def make_policy(
     elif name == "cache_aware":
         policy = CacheAware(settings, rng, stage=stage, on_decision=on_decision, feed=feed)
     elif name == "kv_aware":
-        policy = KvAware(settings, rng, stage=stage, on_decision=on_decision, view=kv)
+        ttl = settings.kv_aware_session_affinity_ttl_secs
+        sessions = None  # prefill stays KV-cost based (vllm-router's rule)
+        if ttl is not None and stage != "prefill":
+            sessions = SessionTable(ttl, trio.current_time)
+        policy = KvAware(
+            settings, rng, stage=stage, on_decision=on_decision, view=kv, sessions=sessions
+        )
     else:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
     policy.set_endpoints(endpoints)

@@ -171,8 +171,10 @@ class PolicySettings:
         Flag(
             "--kv-aware-session-affinity-ttl-secs",
             Group.ROUTING_POLICY,
-            "kv_aware: keep a session on its endpoint while it is idle less than this; no"
-            " effect on other policies",
+            "kv_aware on decode and regular stages: a session (X-Session-ID, X-User-ID,"
+            " X-Tenant-ID, or the body's session_id/user) returns to its endpoint while idle"
+            " less than this many seconds, unless that endpoint is overloaded or unavailable;"
+            " no effect on prefill or other policies",
             type=int,
         ),
         check=must(lambda t: 1 <= t <= 31_536_000, "must be between 1 and 31536000"),

@@ -21,6 +21,10 @@ Per decision, over the candidates:
   ``--router-temperature`` 0 the best score wins (ties at random); above 0 the choice is drawn
   with probabilities softmax(score / temperature).
 
+With ``--kv-aware-session-affinity-ttl-secs`` (decode and regular stages only), a request whose
+session is bound to a candidate that is not overloaded goes there first (reason ``session``;
+see :mod:`.session_affinity`); every decision binds the request's session to its choice.
+
 The routing text also goes into the estimated tree under the chosen endpoint, so the fallback
 stays warm. :attr:`KvAware.last` describes the last decision (blocks matched, whether the
 chosen engine's state was known) for the routing headers and the access line.
@@ -40,6 +44,7 @@ from ..kv_index import BlockIndex, block_keys
 from ._base import DecisionObserver, PolicySettings, RoutingKey
 from ._choice import least_loaded
 from .cache_aware import CacheAware
+from .session_affinity import SessionTable, overloaded
 
 
 class KvView(Protocol):
@@ -77,17 +82,46 @@ class KvAware:
         stage: str,
         on_decision: DecisionObserver,
         view: KvView | None,
+        sessions: SessionTable | None = None,
     ) -> None:
         self._settings = settings
         self._rng = rng
         self._stage = stage
         self._on_decision = on_decision
         self._view = view
+        self._sessions = sessions
         self.estimate = CacheAware(settings, rng, stage=stage, on_decision=lambda _s, _r: None)
         self._by_tokens = settings.stage_load_metric(stage) == "tokens"
         self.last = KvDecision(0, 0, False, "none")
 
     def choose(
+        self, candidates: Sequence[Endpoint], loads: Mapping[Endpoint, int], key: RoutingKey
+    ) -> Endpoint:
+        sessions, session = self._sessions, key.hash_key
+        if sessions is None or session is None:
+            return self._choose(candidates, loads, key)
+        home = sessions.home(session)
+        if home is not None and home in candidates and not self._overloaded(home, loads, key):
+            self._remember(key, home)
+            self._decided("session", 0, 0, known=False)
+            chosen = home
+        else:
+            chosen = self._choose(candidates, loads, key)
+        sessions.bind(session, chosen)
+        return chosen
+
+    def _overloaded(self, home: Endpoint, loads: Mapping[Endpoint, int], key: RoutingKey) -> bool:
+        s = self._settings
+        return overloaded(
+            home,
+            loads,
+            by_tokens=self._by_tokens,
+            prompt_tokens=key.prompt_tokens,
+            abs_threshold=s.balance_abs_threshold,
+            rel_threshold=s.balance_rel_threshold,
+        )
+
+    def _choose(
         self, candidates: Sequence[Endpoint], loads: Mapping[Endpoint, int], key: RoutingKey
     ) -> Endpoint:
         s = self._settings
@@ -164,6 +198,8 @@ class KvAware:
 
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
         self.estimate.set_endpoints(endpoints)
+        if self._sessions is not None:
+            self._sessions.keep_only(frozenset(endpoints))
 
     def maintain(self) -> bool:
         return self.estimate.maintain()
