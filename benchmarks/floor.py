@@ -13,8 +13,8 @@ Same hypercorn configuration as the router (trio worker, backlog, keep-alive). U
 connections are raw trio sockets with a LIFO idle list per server. This is a yardstick, not a
 router: it assumes well-formed answers from the simulator and does no error handling beyond
 dropping a connection that failed. The router's cost per event is reported as a ratio to this.
-``--write-at-once`` serves it on hypercorn with the router's own send patch, which takes two
-trips through trio's scheduler out of every send: the floor of the stack as the router runs it.
+``--write-at-once`` (an experiment, :mod:`.hypercorn_send`) serves it on a hypercorn whose send
+path writes at once, without its lock and checkpoints: what a change to hypercorn would save.
 """
 
 from __future__ import annotations
@@ -201,14 +201,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--write-at-once",
         action="store_true",
-        help="serve on hypercorn with the router's send patch (trio_pdrouter.hypercorn_fixes."
-        "write_at_once): the floor of the stack as the router runs it",
+        help="EXPERIMENT: serve on hypercorn with its send path patched (benchmarks."
+        "hypercorn_send): what a change to hypercorn would save",
     )
     args = p.parse_args(argv)
     if args.write_at_once:
-        from trio_pdrouter.hypercorn_fixes import expose_connections, write_at_once
+        from .hypercorn_send import write_at_once
 
-        expose_connections()
         write_at_once()
     decode = args.decode if args.prefill else args.worker_urls
     if not decode:

@@ -5,8 +5,9 @@ the simulators here do the same (``--itl-base-s`` 20 ms, no per-running slowdown
 per token). Next to trio-pdrouter and vllm-router runs the floor (:mod:`benchmarks.floor`): the
 smallest relay hypercorn's trio worker can serve, on the same server stack. The router's CPU per
 event divided by the floor's in the same run is the figure the relay-cost goal is stated in.
-The router patches hypercorn's send path (``hypercorn_fixes.write_at_once``); "floor, write at
-once" is the same floor relay on the patched server, so both yardsticks are in every run.
+"floor, write at once" is an experiment (:mod:`.hypercorn_send`): the same floor relay on a
+hypercorn whose send path skips its per-send lock and checkpoints, i.e. what a change to hypercorn
+would save; the router does not ship that patch.
 
 * regular: round_robin over 2 simulators x 4 DP ranks, 200-token streams, closed loops of
   64 / 256 / 1,000 clients;

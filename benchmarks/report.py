@@ -290,8 +290,9 @@ def _paced(data: dict[str, Any]) -> list[str]:
         "can serve (one upstream read, at most one ASGI send; PD: prefill POST, read "
         "`kv_transfer_params`, decode POST, relay). Router CPU is the router process's CPU time "
         f"over the window; median of {s['repeats']} interleaved runs of {s['seconds']} s. "
-        "*x floor* divides by the floor's figure in the same run. *floor, write at once* is the "
-        "same floor on hypercorn with the router's send patch (`hypercorn_fixes.write_at_once`).",
+        "*x floor* divides by the floor's figure in the same run. *floor, write at once* (an "
+        "experiment, `benchmarks/hypercorn_send.py`) is the same floor on a hypercorn whose send "
+        "path skips its lock and checkpoints: what a change to hypercorn would save.",
         "",
     ]
     for mode, title in (("regular", "regular mode, 200-token streams"), ("pd", "PD mode")):

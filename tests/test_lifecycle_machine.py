@@ -247,9 +247,6 @@ class ClientRequest:
     crashed: BaseException | None = None
     #: Cut off by the router's stall watch (it accepted nothing for STALL seconds).
     was_cut: bool = False
-    #: No socket to write at once to: every piece goes through the relay's writer here (the
-    #: reader's own sends are tested end to end, against hypercorn, in test_inline_sends.py).
-    writes_at_once: bool = False
 
     @property
     def live(self) -> bool:

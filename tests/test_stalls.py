@@ -26,7 +26,6 @@ class FakeConnection:
     def __init__(self, exchange: Exchange) -> None:
         self.exchange = exchange
         self.cut_at: float | None = None
-        self.writes_at_once = False  # no socket here: every piece goes through the writer
 
     def cut(self) -> None:
         self.cut_at = trio.current_time()

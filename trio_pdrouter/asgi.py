@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import trio
 
 from .errors import RouterError
-
-if TYPE_CHECKING:
-    from .hypercorn_fixes import Connection
 
 Message = dict[str, Any]
 Scope = dict[str, Any]
@@ -92,15 +89,6 @@ class Downstream:
             self.first_chunk_at = trio.current_time()
         self.bytes_sent += len(data)
         await self._out({"type": "http.response.body", "body": data, "more_body": True})
-
-    async def write_unsent(self, connection: Connection) -> None:
-        """Write the bytes a send without waiting left on ``connection`` (counted as a send)."""
-        self.sending = True
-        try:
-            await connection.write_unsent()
-        finally:
-            self.sending = False
-            self.sends_done += 1
 
     async def finish(self, reply: Reply) -> None:
         """Send ``reply`` as the response's last message."""

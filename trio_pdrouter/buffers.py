@@ -99,11 +99,6 @@ class RelayBuffer:
             if self._evicted:
                 raise self._furthest_behind()
 
-    @property
-    def empty(self) -> bool:
-        """Nothing put is waiting for the writer (a piece it took may still be in its send)."""
-        return not self._chunks
-
     def _furthest_behind(self) -> RelayOverflow:
         limit = self._budget.limit
         return RelayOverflow(f"client is furthest behind while clients hold over {limit} bytes")

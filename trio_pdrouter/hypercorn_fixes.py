@@ -18,28 +18,15 @@ hypercorn as it is rather than fail.
   only way out is to close the socket under it, which makes the send fail and end. The handle
   reaches the app through a context variable set in the connection's task: trio starts each
   task with a copy of its parent's context, so the app's tasks for that connection see it.
-* :func:`write_at_once`: bytes for a client go out in one ``write`` when its socket takes them
-  all, which is nearly always. hypercorn's own path takes a ``trio.Lock`` and a shielded
-  ``send_all`` for every piece, two trips through trio's scheduler per token-paced event; this
-  one takes none. Anything else (the socket full, another send under way, an error) goes
-  hypercorn's way with what is left, so order, errors and cancellation are unchanged. A
-  :class:`Connection` can also be told to leave what its socket did not take for its next
-  awaited send instead of waiting (:meth:`Connection.send_without_waiting`): the relay's
-  upstream reader sends that way, so it never waits for a client (see
-  :mod:`trio_pdrouter.relay`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Awaitable
 from contextvars import ContextVar
 
 import attrs
 import h11
-import trio
-from hypercorn.events import Event, RawData
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 
@@ -88,45 +75,15 @@ def serve_http1_only() -> None:
     H11Protocol._check_protocol = _check_protocol  # type: ignore[method-assign]
 
 
-@attrs.define(eq=False)
+@attrs.frozen
 class Connection:
     """The client connection a request came on."""
 
     _server: TCPServer
-    #: True while :meth:`send_without_waiting` runs: a short write is left in ``unsent``.
-    leave_unsent: bool = False
-    #: Bytes the socket did not take during :meth:`send_without_waiting`; the next awaited send
-    #: on the connection writes them first.
-    unsent: bytes = b""
 
     def cut(self) -> None:
         """Close the socket now: a send blocked on it fails at once, and so does the read."""
         self._server.stream.socket.close()
-
-    @property
-    def writes_at_once(self) -> bool:
-        """Whether :func:`write_at_once` is in place, so :meth:`send_without_waiting` works."""
-        return getattr(TCPServer.protocol_send, "_writes_at_once", False) is True
-
-    async def send_without_waiting(self, send: Awaitable[None]) -> bool:
-        """Run ``send`` (an ASGI send on this connection) so that it writes what the socket
-        takes and returns without waiting for the client; True if everything went out.
-
-        Otherwise the rest is kept in ``unsent`` and the caller must hand later bytes to a task
-        that awaits its sends (the first such send writes ``unsent`` first). Only call it with
-        ``writes_at_once`` true, no send under way and nothing ``unsent``.
-        """
-        self.leave_unsent = True
-        try:
-            await send
-        finally:
-            self.leave_unsent = False
-        return not self.unsent
-
-    async def write_unsent(self) -> None:
-        """Write what :meth:`send_without_waiting` left, waiting for the client if need be."""
-        if self.unsent:
-            await self._server.protocol_send(RawData(data=b""))  # the patched send writes it
 
 
 _CONNECTION: ContextVar[Connection | None] = ContextVar("trio_pdrouter_connection", default=None)
@@ -153,42 +110,3 @@ def expose_connections() -> None:
 
     run._exposes_connection = True  # type: ignore[attr-defined]
     TCPServer.run = run  # type: ignore[method-assign]
-
-
-def write_at_once() -> None:
-    """Write a client's bytes without waiting when its socket takes them (see the module doc)."""
-    original = getattr(TCPServer, "protocol_send", None)
-    if original is None:
-        log.warning("hypercorn changed: every send to a client takes its lock")
-        return
-    if getattr(original, "_writes_at_once", False):
-        return
-
-    async def protocol_send(self: TCPServer, event: Event) -> None:
-        stream: trio.abc.Stream = self.stream  # hypercorn's annotation names its TLS stream
-        if type(event) is RawData and isinstance(stream, trio.SocketStream):
-            conn = _CONNECTION.get()
-            if conn is not None and conn._server is not self:
-                conn = None
-            data = event.data
-            if conn is not None and conn.unsent:  # a send left bytes behind: they go first
-                data, conn.unsent = conn.unsent + data, b""
-            if not data:
-                await original(self, event)
-                return
-            if not self.send_lock.locked():
-                try:
-                    sent = os.write(stream.socket.fileno(), data)
-                except OSError:  # full (BlockingIOError), closed, reset: hypercorn's way says
-                    sent = 0
-                if sent == len(data):
-                    return
-                data = data[sent:]
-            if conn is not None and conn.leave_unsent:
-                conn.unsent = data
-                return
-            event = RawData(data=data)
-        await original(self, event)
-
-    protocol_send._writes_at_once = True  # type: ignore[attr-defined]
-    TCPServer.protocol_send = protocol_send  # type: ignore[method-assign]

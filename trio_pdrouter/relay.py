@@ -7,16 +7,6 @@ owns the decode load and keeps reading into a :class:`RelayBuffer`; the writer (
 own task) drains the buffer and sends everything pending in one ``send()``, which also coalesces
 events under load.
 
-When the client keeps up, the writer has nothing to do: the reader sends each piece itself,
-without waiting (:meth:`~.hypercorn_fixes.Connection.send_without_waiting`: one ``write`` that
-the client's socket takes whole), so a token-paced event costs one task wakeup, not two. It does
-so only while the writer is idle (the response head sent, no send under way, nothing buffered,
-nothing left unsent), which keeps the bytes in order. A piece the socket does not take whole is
-left on the connection; the reader wakes the writer, which writes it (waiting as long as the
-client makes it), and later pieces go through the buffer until the writer is idle again. The
-reader never waits for the client either way. Without hypercorn's patched send (tests that call
-the app directly) every piece goes through the buffer.
-
 The buffer is bounded in bytes, and so is the sum over all streams (:mod:`.buffers`). A client
 that falls further behind than either allows is treated as gone: the reader stops, which closes
 the upstream connection (so the engine aborts) and releases load.
@@ -152,10 +142,7 @@ class DecodeRelay:
                 headers = with_default(head.headers, b"cache-control", b"no-cache")
                 await req.down.start(200, [*headers, *attempt.routing_headers()])
                 while (data := await buffer.take()) is not None:
-                    if data:  # the connection writes what the reader left unsent first
-                        await req.down.chunk(data)
-                    elif req.connection is not None:  # the reader's nudge: only that is left
-                        await req.down.write_unsent(req.connection)
+                    await req.down.chunk(data)
             return buffer.failure or Reply.tail()
         finally:
             buffer.discard()
@@ -243,8 +230,6 @@ class DecodeRelay:
         head.open(with_default(passed_on(resp.headers), b"content-type", b"text/event-stream"))
         framer = EventFramer(self._max_buffered_bytes)
         taken = False
-        down, conn = req.down, req.connection
-        inline = conn is not None and conn.writes_at_once
         async for chunk in body_chunks(resp):
             idle.touch()
             data = framer.feed(chunk)
@@ -254,11 +239,6 @@ class DecodeRelay:
                     # prefill's KV blocks (its head does not: see trio_pdrouter.lifecycle).
                     taken = True
                     req.kv_taken()
-                if inline and down.started and not down.sending and buffer.empty:
-                    assert conn is not None and not conn.unsent  # the writer took its nudge
-                    if await conn.send_without_waiting(down.chunk(data)):
-                        continue
-                    data = b""  # the rest is unsent on the connection: wake the writer
                 buffer.put(data)
         if framer.pending or (req.inf.route.ends_with_done and not framer.saw_done):
             failure = outcomes.invalid(call.stage, ep, "stream ended without [DONE]")

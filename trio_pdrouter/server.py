@@ -31,7 +31,6 @@ from .hypercorn_fixes import (
     close_connections_when_clients_leave,
     expose_connections,
     serve_http1_only,
-    write_at_once,
 )
 from .kube_credentials import Credentials
 from .kube_discovery import credentials, follow_pods
@@ -306,7 +305,6 @@ async def run_router(
     close_connections_when_clients_leave()
     serve_http1_only()
     expose_connections()
-    write_at_once()
     async with make_client(config) as client:
         urls = [url for urls in config.servers().values() for url in urls]
         await wait_until_healthy(client, [normalize_url(url) for url in urls], config.health)
