@@ -5,7 +5,8 @@
 
 * regular: one upstream POST, then per upstream ``receive_some`` at most one ASGI body
   ``send()`` of the de-chunked bytes; nothing else (no routing beyond round robin, no load
-  ledger, no SSE framing, no watcher of the client, no metrics, no logging);
+  ledger, no SSE framing, no metrics, no logging) but one task per request that ends the relay
+  when the client leaves (as any relay must, or streams go on to nobody);
 * PD: the prefill POST (one token, ``kv_transfer_params`` requested), its answer read whole and
   parsed for ``kv_transfer_params``, then the decode POST relayed as above.
 
@@ -153,6 +154,12 @@ async def _read_json(up: Upstream, path: bytes, body: bytes) -> Any:
         return doc
 
 
+async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
 class FloorApp:
     """The ASGI app: regular (``decode`` only) or PD (``prefill`` and ``decode``)."""
 
@@ -178,7 +185,14 @@ class FloorApp:
             raw += message.get("body", b"")
             if not message.get("more_body", False):
                 break
-        path = scope["raw_path"]
+        async with trio.open_nursery() as nursery:
+            # A client that left ends its relay (which closes the upstream): without this the
+            # floor would relay whole streams to nobody after a load run stops.
+            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            await self._serve(scope["raw_path"], raw, send)
+            nursery.cancel_scope.cancel()
+
+    async def _serve(self, path: bytes, raw: bytes, send: Send) -> None:
         if self._prefill is None:
             await _relay(next(self._decode), path, raw, send)
             return
