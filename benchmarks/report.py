@@ -496,6 +496,11 @@ def _cluster(data: dict[str, Any]) -> list[str]:
         ["view", "error p50", "error p99"],
         [
             ["cluster (own + peers)", _f(e["cluster_p50"], 0), _f(e["cluster_p99"], 0)],
+            *(
+                [["cluster, visible part", _f(e["visible_p50"], 0), _f(e["visible_p99"], 0)]]
+                if "visible_p50" in e  # results from before the visible counts were published
+                else []
+            ),
             ["own counts only", _f(e["own_only_p50"], 0), _f(e["own_only_p99"], 0)],
         ],
     )

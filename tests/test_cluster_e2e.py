@@ -1,10 +1,13 @@
 """Two router replicas on one real Redis in front of shared simulators (issue 14, part B).
 
-* Under steady, bounded load the cluster view (``/get_loads``' ``"cluster"``) follows the
-  engines' own counts within 2 per endpoint at the p99 of 100 ms samples.
+* Under steady, bounded load the cluster view (``/get_loads``' ``"cluster"``, its visible
+  part: what the engines can see) follows the engines' own counts within 2 per endpoint at the
+  p99 of 100 ms samples.
 * A replica SIGKILLed mid-stream (a real process) is gone from its peer's view within the
   expiry plus one interval, with no negative counts and no phantoms.
 * With Redis stopped, replicas keep serving on local counts; when it returns they reconverge.
+* Prefill's token metric (its default) sees the peers' token weights: a replica avoids the
+  prefill engine another replica has loaded with a long prompt.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import trio
 
 from trio_pdrouter.cluster_sync import MAX_BACKOFF
 from trio_pdrouter.config import ClusterSettings, RouterConfig, ServerSettings
+from trio_pdrouter.endpoints import Role
 from trio_pdrouter.server import RunningRouter, run_router
 from trio_pdrouter_sim.config import SimConfig
 from trio_pdrouter_sim.server import SimServer
@@ -43,6 +47,12 @@ class Replicas:
 
     async def loads(self, url: str) -> dict[str, Any]:
         resp = await self.client.get(url + "/get_loads")
+        resp.raise_for_status()
+        result: dict[str, Any] = resp.json()
+        return result
+
+    async def stats_of(self, sim: SimServer) -> dict[str, Any]:
+        resp = await self.client.get(sim.url + "/sim/stats")
         resp.raise_for_status()
         result: dict[str, Any] = resp.json()
         return result
@@ -99,8 +109,10 @@ async def stream(client: httpx.AsyncClient, url: str, max_tokens: int) -> None:
             pass
 
 
-def decode_view(loads: dict[str, Any]) -> dict[str, int]:
-    decode: dict[str, int] = loads["cluster"]["total"].get("decode", {})
+def decode_view(loads: dict[str, Any], of: str = "total") -> dict[str, int]:
+    """The cluster's decode counts: ``"total"`` (what routing sees) or ``"visible"`` (what the
+    engines can see: PENDING decode slots left out)."""
+    decode: dict[str, int] = loads["cluster"][of].get("decode", {})
     return decode
 
 
@@ -126,7 +138,7 @@ async def test_cluster_view_follows_engine_truth_under_steady_load(
                 # The engines' counts just before and just after the view: the view is
                 # compared with the nearer of the two (reads over HTTP are not instantaneous).
                 before = await sims.truth()
-                view = decode_view(await sims.loads(r1))
+                view = decode_view(await sims.loads(r1), "visible")
                 after = await sims.truth()
                 assert all(n >= 0 for n in view.values())
                 errors.append(
@@ -263,3 +275,60 @@ async def test_redis_down_keeps_serving_on_local_counts_and_reconverges(
             metrics = (await sims.client.get(r1 + "/metrics")).text
             assert "trio_pdrouter_cluster_store_up 1.0" in metrics
             assert "trio_pdrouter_cluster_peers 1.0" in metrics
+
+
+async def test_a_prefill_token_choice_sees_the_other_replicas_token_weights(
+    redis_server: RedisServer,
+) -> None:
+    # 5 ms a prompt token: the held prompts stay in prefill for seconds.
+    prefill_sim = SimConfig(port=0, role="prefill", prefill_base_s=0.0, prefill_per_token_s=0.005)
+    decode_sim = SimConfig.fast(port=0, role="decode")
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        trio.open_nursery() as nursery,
+    ):
+        prefill = [SimServer(prefill_sim) for _ in range(2)]
+        decode = [SimServer(decode_sim)]
+        for sim in [*prefill, *decode]:
+            await nursery.start(sim.run)
+        sims = Replicas(prefill, decode, [], client)
+        b: RunningRouter = await nursery.start(run_router, router_config(sims, redis_server, "b"))
+
+        async def complete(router: RunningRouter, text: str) -> None:
+            body = {"model": "sim-model", "prompt": text, "max_tokens": 1}
+            with contextlib.suppress(httpx.HTTPError):  # cancelled when the test ends
+                await client.post(router.url + "/v1/completions", json=body)
+
+        # b holds a 1000-token prompt (5 s of prefill) on one prefill engine, "near" ...
+        charged = trio.Event()
+        b.ledger.observe(lambda ep, n: charged.set() if ep.role is Role.PREFILL and n else None)
+        nursery.start_soon(complete, b, "a " * 2000)
+        await charged.wait()
+        held = b.ledger.token_snapshot()["prefill"]
+        near = next(url for url, tokens in held.items() if tokens)
+        far = next(url for url in held if url != near)
+        # ... and replica a, whose only prefill engine is the other one, a 2000-token prompt.
+        only_far = attrs.evolve(router_config(sims, redis_server, "a"), prefill_urls=(far,))
+        a: RunningRouter = await nursery.start(run_router, only_far)
+        nursery.start_soon(complete, a, "b " * 4000)
+
+        async def b_sees_a() -> bool:
+            tokens = (await sims.loads(b.url))["cluster"]["tokens"]["prefill"]
+            return bool(tokens.get(far, 0) >= 2000 and tokens.get(near, 0) >= 1000)
+
+        await eventually(b_sees_a, timeout=5)
+        # By its own tokens b would choose far (0 against 1000); with a's it chooses near.
+        for _ in range(3):
+            nursery.start_soon(complete, b, "c " * 100)
+
+        async def requests() -> dict[str, int]:
+            return {
+                sim.url: int((await sims.stats_of(sim))["totals"]["requests"]) for sim in prefill
+            }
+
+        async def all_routed() -> bool:
+            return sum((await requests()).values()) == 5
+
+        await eventually(all_routed, timeout=5)
+        assert await requests() == {near: 4, far: 1}
+        nursery.cancel_scope.cancel()

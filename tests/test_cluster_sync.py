@@ -7,13 +7,15 @@ under trio's MockClock, and once more end to end against the real server stopped
 
 from __future__ import annotations
 
+import functools
+
 import trio
 import trio.testing
 
 from trio_pdrouter.cluster_sync import MAX_BACKOFF, ClusterSync, connect
 from trio_pdrouter.endpoints import Endpoint, Role
 from trio_pdrouter.load import LoadLedger
-from trio_pdrouter.peers import PeerLoads, encode
+from trio_pdrouter.peers import PeerLoads, Snapshot, encode
 
 from .redis_server import RedisServer
 
@@ -71,12 +73,12 @@ async def test_exchange_publishes_own_snapshot_and_returns_the_live_peers(
     redis_server: RedisServer,
 ) -> None:
     async with connect(redis_server.url, timeout=1) as store:
-        assert await store.exchange("r1", encode({"decode": {"a": 1}}), 60_000) == {}
-        assert await store.exchange("r2", encode({"decode": {"a": 2}}), 60_000) == {
+        assert await store.exchange("r1", b'{"decode":{"a":1}}', 60_000) == {}
+        assert await store.exchange("r2", b'{"decode":{"a":2}}', 60_000) == {
             "r1": b'{"decode":{"a":1}}'
         }
         # Absolute counts: a new snapshot replaces the old one.
-        assert await store.exchange("r1", encode({"decode": {"a": 5}}), 60_000) == {
+        assert await store.exchange("r1", b'{"decode":{"a":5}}', 60_000) == {
             "r2": b'{"decode":{"a":2}}'
         }
         await store.leave("r1")
@@ -85,7 +87,7 @@ async def test_exchange_publishes_own_snapshot_and_returns_the_live_peers(
 
 async def test_an_expired_peer_is_gone_from_the_next_exchange(redis_server: RedisServer) -> None:
     async with connect(redis_server.url, timeout=1) as store:
-        await store.exchange("dead", encode({"decode": {"a": 9}}), 100)
+        await store.exchange("dead", b'{"decode":{"a":9}}', 100)
         assert "dead" in await store.exchange("alive", b"{}", 60_000)
         started = trio.current_time()
         seen: dict[str, bytes] = {"dead": b""}
@@ -101,7 +103,14 @@ async def test_an_expired_peer_is_gone_from_the_next_exchange(redis_server: Redi
 
 def sync_on(store: MemoryStore, ledger: LoadLedger, replica: str) -> tuple[ClusterSync, PeerLoads]:
     peers = PeerLoads(replica, valid_for=0.2, clock=trio.current_time)
-    sync = ClusterSync(store, ledger.snapshot, peers, interval=0.05, ttl=0.2, observer=Observer())
+    sync = ClusterSync(
+        store,
+        functools.partial(Snapshot.of, ledger),
+        peers,
+        interval=0.05,
+        ttl=0.2,
+        observer=Observer(),
+    )
     return sync, peers
 
 
@@ -180,7 +189,7 @@ async def test_an_unreadable_peer_snapshot_is_skipped_not_fatal(
 ) -> None:
     store = MemoryStore()
     store.keys["bad"] = (b"\xff not json", 1e9)
-    store.keys["good"] = (encode({"decode": {A.key: 3}}), 1e9)
+    store.keys["good"] = (encode(Snapshot({"decode": {A.key: 3}})), 1e9)
     sync, peers = sync_on(store, LoadLedger([A]), "r1")
     assert await sync.sync_once()
     assert peers.load(A) == 3 and set(peers.snapshots()) == {"good"}
@@ -202,7 +211,12 @@ async def test_real_redis_stopped_and_restarted(redis_server: RedisServer) -> No
             (store2, ledger2, peers2),
         ):
             sync = ClusterSync(
-                store, ledger.snapshot, peers, interval=0.05, ttl=0.2, observer=Observer()
+                store,
+                functools.partial(Snapshot.of, ledger),
+                peers,
+                interval=0.05,
+                ttl=0.2,
+                observer=Observer(),
             )
             nursery.start_soon(sync.run)
         with ledger1.lease(A):

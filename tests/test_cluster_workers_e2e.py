@@ -3,7 +3,9 @@
 * Every worker of a replica publishes the machine's ledger under the replica's id: a peer sees
   the replica's whole count once (not once per worker, not one worker's share).
 * Under steady load the cluster view from any worker follows the engines within 2 per endpoint
-  at the p99 of 100 ms samples (marked slow: see its docstring).
+  at the p99 of 100 ms samples. The view compared is the visible one (``"cluster"``'s
+  ``"visible"``): a decode slot charged while its prefill runs is in the counts peers route on
+  but not yet on an engine, in this replica's numbers and in the peers' alike.
 * A whole replica SIGKILLed (its supervisor and its workers) is gone from the other replica's
   view within the expiry plus one interval, with no negative counts and no phantoms.
 """
@@ -18,7 +20,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
-import pytest
 import trio
 
 from trio_pdrouter_sim.config import SimConfig
@@ -75,8 +76,9 @@ async def get_loads(url: str) -> dict[str, Any]:
         return result
 
 
-def decode_view(loads: dict[str, Any]) -> dict[str, int]:
-    decode: dict[str, int] = loads["cluster"]["total"].get("decode", {})
+def decode_view(loads: dict[str, Any], of: str = "total") -> dict[str, int]:
+    """The cluster's decode counts: ``"total"`` (what routing sees) or ``"visible"``."""
+    decode: dict[str, int] = loads["cluster"][of].get("decode", {})
     return decode
 
 
@@ -91,20 +93,19 @@ async def stream(url: str, max_tokens: int) -> None:
             pass
 
 
-@pytest.mark.slow
 async def test_two_replicas_of_two_workers_follow_the_engines_under_steady_load(
     redis_server: RedisServer,
 ) -> None:
-    """Slow-marked (``make bench``): with six router processes and the simulators on a 2-core
-    machine already loaded, one run in four saw a p99 of 3 (load average 4-5)."""
+    """Compared with the engines, the cluster view leaves out every replica's PENDING decode
+    slots (see the module doc). Compared by the routing counts, one run in four failed on a
+    loaded machine; measured, the routing counts' excess was the PENDING slots of the moment
+    (samples 6 over the engines where the visible part was 1 off, 0 when nothing was PENDING)."""
     async with two_replicas(redis_server) as (decode, (r1, r2)):
         # Steady load through both replicas: each stream on its own connection, so the
         # kernel spreads them over the workers.
         errors: list[int] = []
         done = trio.Event()
-        # 60 tokens at 50 ms: 3 s each. Few arrivals per second: a new stream's decode charge
-        # counts from the choice while its prefill still runs (the engine cannot see it yet),
-        # and on a loaded machine a prefill round trip between processes can take 100s of ms.
+        # 60 tokens at 50 ms: 3 s each.
         streams, tokens = 12, 60
 
         async def client(url: str, start: float) -> None:
@@ -115,9 +116,10 @@ async def test_two_replicas_of_two_workers_follow_the_engines_under_steady_load(
         async def sample() -> None:
             while not done.is_set():
                 before = truth(decode)
-                view = decode_view(await get_loads(r1.url))
+                loads = await get_loads(r1.url)
                 after = truth(decode)
-                assert all(n >= 0 for n in view.values())
+                view = decode_view(loads, "visible")
+                assert all(n >= 0 for n in [*view.values(), *decode_view(loads).values()])
                 # The engines' counts just before and just after: the view is right if it lies
                 # between them (streams start and end while the three reads travel).
                 errors.append(

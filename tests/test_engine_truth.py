@@ -19,7 +19,7 @@ from trio_pdrouter.engine_truth import (
 )
 from trio_pdrouter.load import LoadLedger
 from trio_pdrouter.metrics import RouterMetrics
-from trio_pdrouter.peers import PeerLoads
+from trio_pdrouter.peers import PeerLoads, Snapshot
 from trio_pdrouter_sim.config import SimConfig
 
 from .cluster import eventually, held_streams, start_cluster
@@ -174,12 +174,12 @@ async def test_with_a_cluster_the_engines_are_compared_with_own_plus_peers_count
     truth = EngineTruth(lambda: endpoints, ledger, client, 1.0, peers=peers)
     assert truth.drift_of == "cluster"
     ledger.lease(ep0)  # this replica: 1 on rank 0
-    peers.update({"r2": {"decode": {ep0.key: 2, ep1.key: 1}}})
+    peers.update({"r2": Snapshot({"decode": {ep0.key: 2, ep1.key: 1}})})
     server.text = exposition({"0": (3, 0), "1": (1, 0)})  # the engines serve both replicas
     await truth.scrape()
     assert truth.drift == {ep0.key: 0, ep1.key: 0}
     # A peer's count that changes while the engines answer is a range, not drift.
-    server.during = lambda: peers.update({"r2": {"decode": {ep0.key: 4}}})
+    server.during = lambda: peers.update({"r2": Snapshot({"decode": {ep0.key: 4}})})
     server.text = exposition({"0": (4, 0), "1": (0, 0)})
     await truth.scrape()
     assert truth.drift == {ep0.key: 0, ep1.key: 0}
@@ -192,6 +192,31 @@ async def test_with_a_cluster_the_engines_are_compared_with_own_plus_peers_count
     alone = EngineTruth(lambda: endpoints, ledger, client, 1.0)
     await alone.scrape()
     assert alone.drift_of == "replica" and alone.drift == {ep0.key: -6, ep1.key: 0}
+
+
+async def test_a_peers_pending_slots_are_left_out_and_its_token_weights_added() -> None:
+    server = MetricsServer()
+    endpoints = [Endpoint(URL, Role.DECODE, r) for r in range(2)]
+    ep0, ep1 = endpoints
+    ledger = LoadLedger(endpoints)
+    peers = PeerLoads("r1", valid_for=60.0, clock=lambda: 0.0)
+    client = httpx.AsyncClient(transport=httpx.MockTransport(server.handle))
+    truth = EngineTruth(lambda: endpoints, ledger, client, 1.0, peers=peers)
+    ledger.lease(ep0, tokens={ep0: 100})  # this replica: 1 sent on rank 0
+    ledger.lease(ep1, pending=(ep1,), tokens={ep1: 50})  # ... and 1 PENDING on rank 1
+    # The peer has 3 on rank 0, one of them PENDING; its weights are 300 and 0.
+    counts, visible = {"decode": {ep0.key: 3}}, {"decode": {ep0.key: 2}}
+    peers.update({"r2": Snapshot(counts, visible, {"decode": {ep0.key: 300}})})
+    cache = 'vllm:cache_config_info{block_size="1",engine="%s",num_gpu_blocks="1000"} 1.0\n'
+    server.text = exposition({"0": (3, 0), "1": (0, 0)}) + (
+        'vllm:kv_cache_usage_perc{engine="0"} 0.3\n'
+        'vllm:kv_cache_usage_perc{engine="1"} 0.0\n' + cache % "0" + cache % "1"
+    )
+    await truth.scrape()
+    # The engines see what was sent, by either replica: no drift.
+    assert truth.drift == {ep0.key: 0, ep1.key: 0}
+    # Tokens: own 100 + the peer's 300 on rank 0 against 300 held; own PENDING 50 on rank 1.
+    assert truth.token_drift == {ep0.key: 100, ep1.key: 50}
 
 
 async def test_load_changing_during_the_scrape_is_not_drift_but_an_offset_beyond_it_is() -> None:

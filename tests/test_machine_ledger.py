@@ -24,7 +24,7 @@ from hypothesis.stateful import (
 from trio_pdrouter.endpoints import Endpoint, Role
 from trio_pdrouter.load import Lease
 from trio_pdrouter.machine_ledger import MachineLedger
-from trio_pdrouter.machine_table import MachineTable, TableFull
+from trio_pdrouter.machine_table import COUNT, PENDING, MachineTable, TableFull
 from trio_pdrouter.policies import PolicySettings, RoutingKey, make_policy
 from trio_pdrouter.routing import Routing
 
@@ -271,3 +271,19 @@ def test_a_retired_endpoint_is_forgotten_at_its_last_release(
     lease.release_all()
     assert ledger.snapshot()["decode"] == {"http://d:1@1": 0}
     assert ledger.load(D[0]) == 0
+
+
+def test_the_visible_load_read_mid_charge_of_another_worker_is_never_negative(
+    table: MachineTable, attach: Callable[[], MachineTable]
+) -> None:
+    ledger = MachineLedger(attach(), 0, D)
+    # Worker 1 half-way through charging a PENDING slot as worker 0 reads COUNT, then PENDING:
+    # the PENDING cell already written, its COUNT not read back yet.
+    slot = table.slot("decode " + D[0].key)
+    table.add(1, slot, PENDING, 1)
+    assert ledger.visible(D[0]) == 0
+    assert ledger.visible_snapshot()["decode"] == {D[0].key: 0, D[1].key: 0}
+    table.add(1, slot, COUNT, 1)
+    assert ledger.visible(D[0]) == 0 and ledger.load(D[0]) == 1
+    table.add(1, slot, PENDING, -1)  # sent
+    assert ledger.visible(D[0]) == 1

@@ -30,7 +30,7 @@ from .health import HealthBoard, Verdicts
 from .kv_subscriber import KvEvents
 from .load import LoadLedger
 from .metrics import CONTENT_TYPE, RouterMetrics
-from .peers import PeerLoads, cluster_view
+from .peers import PeerLoads, Snapshot, cluster_view
 from .policies.routing_key import routing_key
 from .prompt_tokens import PromptTokens
 from .proxy import Proxy
@@ -283,7 +283,7 @@ class RouterApp:
             loads["token_drift"] = dict(truth.token_drift)
             loads["drift_of"] = truth.drift_of
         if self.peers is not None:
-            loads["cluster"] = cluster_view(self.ledger.snapshot(), self.peers)
+            loads["cluster"] = cluster_view(Snapshot.of(self.ledger), self.peers)
         await _reply(send, Reply.json(orjson.dumps(loads)))
 
     async def _kv_index(self, scope: Scope, receive: Receive, send: Send) -> None:

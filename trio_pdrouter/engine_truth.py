@@ -26,11 +26,13 @@ slot weighs prompt + ``max_tokens`` from the start, and a PENDING one is not on 
 so a positive token drift is expected; a persistently negative one is the alarm.
 
 With a cluster view (``--cluster-url``) the engines serve every replica, so the router side is
-this replica's visible load *plus the peers' latest counts* (:class:`~.peers.PeerLoads`, read at
-the start and the end of the round; the range between counts as in the window). ``/get_loads``
-says which comparison ``"drift"`` is: ``"drift_of": "cluster"`` (own + peers) or ``"replica"``
-(own only, without a cluster). Cluster drift is bounded by what the peers' snapshots miss: up to
-one sync interval of their arrivals and departures.
+this replica's visible load *plus the peers' latest visible counts* (:class:`~.peers.PeerLoads`,
+read at the start and the end of the round; the range between counts as in the window): like
+with like, since a peer's PENDING slots are no more on an engine than this replica's. The
+token side adds the peers' token weights the same way. ``/get_loads`` says which comparison
+``"drift"`` is: ``"drift_of": "cluster"`` (own + peers) or ``"replica"`` (own only, without a
+cluster). Cluster drift is bounded by what the peers' snapshots miss: up to one sync interval
+of their arrivals and departures.
 
 Drift that persists is a leak somewhere: the router, an engine, or another router replica sending
 to the same engine. The router side is the ledger's *visible* load: a decode slot charged at
@@ -236,7 +238,11 @@ class EngineTruth:
 
     def _peer_loads(self, endpoints: Iterable[Endpoint]) -> int:
         peers = self._peers
-        return 0 if peers is None else sum(peers.load(ep) for ep in endpoints)
+        return 0 if peers is None else sum(peers.visible(ep) for ep in endpoints)
+
+    def _token_load(self, endpoint: Endpoint) -> int:
+        own = self._ledger.token_load(endpoint)
+        return own + (0 if self._peers is None else self._peers.token_load(endpoint))
 
     def _changed(self, endpoint: Endpoint, load: int) -> None:
         for window in self._windows:
@@ -271,7 +277,7 @@ class EngineTruth:
             if load.kv_tokens is None:
                 self.token_drift.pop(key, None)
             else:
-                weight = sum(self._ledger.token_load(ep) for ep in by_key[key])
+                weight = sum(self._token_load(ep) for ep in by_key[key])
                 self.token_drift[key] = weight - load.kv_tokens
             if self._metrics is not None:
                 self._metrics.engine_seen(key, load.running, load.waiting, drift)

@@ -135,6 +135,13 @@ class LoadLedger:
             out.setdefault(ep.role.value, {})[ep.key] = n
         return out
 
+    def visible_snapshot(self) -> dict[str, dict[str, int]]:
+        """:meth:`snapshot`'s shape with the :meth:`visible` loads (PENDING slots left out)."""
+        out: dict[str, dict[str, int]] = {}
+        for ep in self._counts:
+            out.setdefault(ep.role.value, {})[ep.key] = self.visible(ep)
+        return out
+
     def by_role(self, role: Role) -> dict[str, int]:
         return {ep.key: n for ep, n in self._counts.items() if ep.role is role}
 

@@ -4,11 +4,12 @@ Rules of this module:
 
 * :class:`MachineLedger` is a :class:`~trio_pdrouter.load.LoadLedger` whose every change is also
   written to this worker's row of the :class:`~trio_pdrouter.machine_table.MachineTable`, and
-  whose every read (``load``, ``loads``, ``visible``, ``total``, ``snapshot``, ``by_role``, and
-  the token weights: ``token_load`` and what builds on it) is the sum over all rows: the
-  machine's load, whichever worker is asked. Leases, the slot states, the exactly-once release
-  and the order of a change are the base class's: this class only overrides ``_record``, which
-  writes each change's deltas (count, pending, tokens) to the worker's row.
+  whose every read (``load``, ``loads``, ``visible`` and ``visible_snapshot``, ``total``,
+  ``snapshot``, ``by_role``, and the token weights: ``token_load`` and what builds on it) is the
+  sum over all rows: the machine's load, whichever worker is asked. Leases, the slot states,
+  the exactly-once release and the order of a change are the base class's: this class only
+  overrides ``_record``, which writes each change's deltas (count, pending, tokens) to the
+  worker's row.
 * :meth:`MachineLedger.charging` is the machine lock. Routing holds it over choose-and-charge;
   releases take no lock: a release only lowers a cell of the worker's own row, and a chooser that
   reads the cell just before it chooses from a load one too high, never too low.
@@ -76,7 +77,11 @@ class MachineLedger(LoadLedger):
         slot = self._slots.get(endpoint)
         if slot is None:
             return 0
-        return self._table.total(slot, COUNT) - self._table.total(slot, PENDING)
+        # The two columns are read one after the other while other workers write them (a
+        # charge writes COUNT then PENDING): between the reads the sum can skew by a slot, so
+        # the PENDING read is capped by the COUNT read, never making the visible load negative.
+        count = self._table.total(slot, COUNT)
+        return count - min(self._table.total(slot, PENDING), count)
 
     def total(self) -> int:
         return sum(self.load(ep) for ep in self._counts)

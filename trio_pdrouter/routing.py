@@ -15,7 +15,8 @@ prefill, the prompt tokens that endpoint is not expected to hold (a policy that 
 tree tells the characters cached per candidate, synchronously: :class:`HoldsPrefixes`); decode and
 regular, prompt + output tokens. A stage whose load metric is ``tokens`` gives its policy, for
 each candidate, the token weight in flight there plus this request's weight there: the load it
-would have if chosen. Peers' loads are counts, so they are added in the ``requests`` metric only.
+would have if chosen. With a cluster view the peers' loads are added in either metric: their
+counts in ``requests``, their token weights in ``tokens``.
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ class Routing:
         loads: Mapping[Endpoint, int]
         if role in self._by_tokens:
             tokens = self._ledger.token_loads(candidates)
+            if self._peers is not None:
+                tokens = self._peers.add_tokens_to(tokens)
             loads = {ep: tokens[ep] + weights[ep] for ep in candidates}
         else:
             loads = self._ledger.loads(candidates)

@@ -42,7 +42,7 @@ from .machine_health import PROBER_ROW, MachineVerdicts
 from .machine_ledger import MachineLedger
 from .metrics import MetricsApp, RouterMetrics
 from .model_limits import ModelLimits
-from .peers import PeerLoads
+from .peers import PeerLoads, Snapshot
 from .policies import make_policy
 from .prefix_ring import PrefixFeed
 from .prompt_tokens import PromptTokens
@@ -430,7 +430,7 @@ async def _sync_cluster(
     async with connect(settings.url, timeout=exchange_timeout(settings.ttl)) as store:
         sync = ClusterSync(
             store,
-            app.ledger.snapshot,
+            lambda: Snapshot.of(app.ledger),
             app.peers,
             interval=settings.interval,
             ttl=settings.ttl,
