@@ -14,7 +14,9 @@ Rules of this module:
 * On a clean stop the replica deletes its key, so peers drop its charges at their next round.
 * The client is coredis, native on trio through anyio: a round costs what redis-py's sync client
   in ``trio.to_thread`` costs (~0.4 ms of CPU, measured in ``benchmarks/cluster.py``), and unlike
-  a thread a hung store can be cancelled.
+  a thread a hung store can be cancelled. It is imported when a store is opened, not with this
+  module: importing it costs ~0.4 s of CPU (half a worker's start-up), which routers without
+  ``--cluster-url`` should not pay.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ import logging
 import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import coredis
-import coredis.retry
 import trio
 
 from .peers import PeerLoads, Snapshot, decode, encode
+
+if TYPE_CHECKING:
+    import coredis
 
 log = logging.getLogger("trio_pdrouter.cluster")
 
@@ -100,6 +103,9 @@ async def connect(url: str, timeout: float) -> AsyncIterator[RedisStore]:  # noq
 
     Connecting is lazy: an unreachable store is not an error here but at each exchange.
     """
+    import coredis
+    import coredis.retry
+
     client: coredis.Redis[bytes] = coredis.Redis.from_url(
         url,
         retry_policy=coredis.retry.NoRetryPolicy(),  # ClusterSync retries, with backoff
