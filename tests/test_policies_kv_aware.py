@@ -8,8 +8,10 @@ from collections import Counter
 from trio_pdrouter.endpoints import Endpoint, Role
 from trio_pdrouter.kv_index import BlockIndex
 from trio_pdrouter.kv_wire import BlockRemoved, BlockStored
+from trio_pdrouter.load import LoadLedger
 from trio_pdrouter.policies import PolicySettings, RoutingKey
 from trio_pdrouter.policies.kv_aware import KvAware
+from trio_pdrouter.routing import Routing
 
 BS = 4
 EPS = [Endpoint(f"http://10.0.0.{i}:8000", Role.PREFILL) for i in range(3)]
@@ -65,15 +67,54 @@ def test_the_engine_holding_the_longest_prefix_wins_over_a_little_load() -> None
     assert policy.last.blocks == 6 and policy.last.known and policy.last.reason == "kv_hit"
 
 
-def test_with_token_loads_a_hit_wins_unless_the_queue_is_longer_than_the_prompt() -> None:
+def test_with_token_loads_a_hit_wins_while_its_queue_is_shorter_than_twice_what_it_saves() -> None:
     view = View()
-    view.store(EPS[1], 6)  # 6 of the prompt's 8 blocks
+    view.store(EPS[1], 6)  # 6 of the prompt's 8 blocks: 24 of 32 tokens cached
     policy = make(view, load_metric="tokens")
     key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
-    # 20 tokens more queued than the others: less than the 24 cached tokens save.
-    assert policy.choose(EPS, {EPS[0]: 100, EPS[1]: 120, EPS[2]: 100}, key) == EPS[1]
-    # A queue longer than the whole prompt outweighs any hit.
-    assert policy.choose(EPS, {EPS[0]: 100, EPS[1]: 140, EPS[2]: 100}, key) != EPS[1]
+    assert policy.uncached_tokens(EPS, key) == {EPS[0]: 32, EPS[1]: 8, EPS[2]: 32}
+    # Loads are the tokens queued plus this request's uncached tokens there (routing's sum).
+    # 45 tokens more queued on EPS[1]: less than the 24 it saves computing and the 24 cached
+    # tokens that computing them elsewhere would evict there.
+    assert policy.choose(EPS, {EPS[0]: 100 + 32, EPS[1]: 145 + 8, EPS[2]: 100 + 32}, key) == EPS[1]
+    # 50 more: computing the whole prompt elsewhere costs less.
+    assert policy.choose(EPS, {EPS[0]: 100 + 32, EPS[1]: 150 + 8, EPS[2]: 100 + 32}, key) != EPS[1]
+
+
+def prefill_routing(view: View) -> tuple[Routing, LoadLedger]:
+    ledger = LoadLedger(EPS)
+    routing = Routing(
+        {Role.PREFILL: make(view, load_metric="tokens")},
+        ledger,
+        (),
+        None,
+        by_tokens=(Role.PREFILL,),
+    )
+    routing.set_endpoints(Role.PREFILL, EPS)
+    return routing, ledger
+
+
+def test_prefill_is_charged_the_tokens_past_the_blocks_the_index_shows() -> None:
+    view = View()
+    view.store(EPS[1], 6)
+    routing, ledger = prefill_routing(view)
+    key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
+    assert routing.weights(Role.PREFILL, EPS, key) == {EPS[0]: 32, EPS[1]: 8, EPS[2]: 32}
+    lease, chosen = routing.lease_one(Role.PREFILL, key)
+    assert chosen == EPS[1] and ledger.token_load(EPS[1]) == 8
+    lease.release_all()
+    assert ledger.token_total() == 0
+
+
+def test_hits_in_flight_do_not_push_the_next_request_off_the_engine_holding_its_prefix() -> None:
+    view = View()
+    view.store(EPS[1], 6)
+    routing, ledger = prefill_routing(view)
+    key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
+    # Each hit queues 8 tokens of work there, not the whole prompt's 32, so the third request
+    # still finds EPS[1] the quickest (8 + 8 + 8 against 32 elsewhere).
+    chosen = [routing.lease_one(Role.PREFILL, key)[1] for _ in range(3)]
+    assert chosen == [EPS[1]] * 3 and ledger.token_load(EPS[1]) == 24
 
 
 def test_an_evicted_prefix_earns_nothing() -> None:

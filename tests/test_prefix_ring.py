@@ -133,8 +133,8 @@ def test_workers_trees_follow_each_others_choices(table: MachineTable) -> None:
 
 
 def test_token_weights_see_what_other_workers_sent_where(table: MachineTable) -> None:
-    """Routing asks held_chars for the token weights before it asks choose: that read too
-    must see the other workers' inserts."""
+    """Routing asks uncached_tokens (through held_chars) for the token weights before it asks
+    choose: that read too must see the other workers' inserts."""
     a, b = policy(table, 0), policy(table, 1)
     text = PREFIX + "a question"
     loads = {EPS[0]: 3, EPS[1]: 0, EPS[2]: 3, EPS[3]: 3}

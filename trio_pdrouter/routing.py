@@ -11,12 +11,13 @@ Both hold ``ledger.charging()`` over the step: with ``--workers N`` that is the 
 arrivals in other workers see it too.
 
 Every charge carries the request's token weight on the endpoint chosen (:mod:`.weights`):
-prefill, the prompt tokens that endpoint is not expected to hold (a policy that keeps a prefix
-tree tells the characters cached per candidate, synchronously: :class:`HoldsPrefixes`); decode and
-regular, prompt + output tokens. A stage whose load metric is ``tokens`` gives its policy, for
-each candidate, the token weight in flight there plus this request's weight there: the load it
-would have if chosen. With a cluster view the peers' loads are added in either metric: their
-counts in ``requests``, their token weights in ``tokens``.
+prefill, the prompt tokens that endpoint is not expected to hold (a policy that knows what each
+candidate caches tells, synchronously: :class:`KnowsCachedPrompts`; ``cache_aware`` from its
+prefix tree, ``kv_aware`` from the engines' KV index, so the charge is what the policy credits);
+decode and regular, prompt + output tokens. A stage whose load metric is ``tokens`` gives its
+policy, for each candidate, the token weight in flight there plus this request's weight there:
+the load it would have if chosen. With a cluster view the peers' loads are added in either
+metric: their counts in ``requests``, their token weights in ``tokens``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from .endpoints import Endpoint, Role
 from .load import Lease, LoadLedger
 from .peers import PeerLoads
 from .policies import KvDecision, Lesson, Policy, RoutingKey
-from .weights import uncached
 
 
 class NoHealthyEndpoint(Exception):
@@ -38,11 +38,13 @@ class NoHealthyEndpoint(Exception):
 
 
 @runtime_checkable
-class HoldsPrefixes(Protocol):
-    """A policy that knows which prefixes each endpoint probably holds (``cache_aware``)."""
+class KnowsCachedPrompts(Protocol):
+    """A policy that knows which prefixes each endpoint holds (``cache_aware``, ``kv_aware``)."""
 
-    def held_chars(self, candidates: Sequence[Endpoint], text: str) -> Mapping[Endpoint, int]:
-        """How many leading characters of ``text`` each candidate probably holds cached."""
+    def uncached_tokens(
+        self, candidates: Sequence[Endpoint], key: RoutingKey
+    ) -> Mapping[Endpoint, int]:
+        """The prompt tokens of ``key`` each candidate would have to compute."""
         ...
 
 
@@ -81,7 +83,9 @@ class Routing:
         self._peers = peers
         self._by_tokens = frozenset(by_tokens)
         self._prefixes = {
-            role: policy for role, policy in policies.items() if isinstance(policy, HoldsPrefixes)
+            role: policy
+            for role, policy in policies.items()
+            if isinstance(policy, KnowsCachedPrompts)
         }
         self._policies = dict(policies)
         self._admits = tuple(admits)
@@ -140,11 +144,9 @@ class Routing:
         if role is not Role.PREFILL:
             return dict.fromkeys(candidates, key.prompt_tokens + key.output_tokens)
         holder = self._prefixes.get(role)
-        if holder is None or not key.text:
+        if holder is None:
             return dict.fromkeys(candidates, key.prompt_tokens)
-        held = holder.held_chars(candidates, key.text)
-        chars = len(key.text)
-        return {ep: uncached(key.prompt_tokens, held[ep], chars) for ep in candidates}
+        return dict(holder.uncached_tokens(candidates, key))
 
     def lease_pd(
         self, key: RoutingKey, avoid_urls: Collection[str] = ()

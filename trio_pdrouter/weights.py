@@ -11,9 +11,10 @@ Rules of this module (pure and synchronous: weights are known before choose-and-
 * Output tokens: the request's cap (the smallest of ``max_tokens``, ``max_completion_tokens``,
   ``max_output_tokens``), else :data:`DEFAULT_OUTPUT_TOKENS`.
 * The weight charged on a prefill endpoint is the prompt's tokens that endpoint is not expected
-  to hold (:func:`uncached`, from the characters of routing text the cache-aware tree says it
-  holds); on a decode or regular endpoint it is prompt + output, the KV footprint the sequence
-  grows to.
+  to hold, as the stage's policy credits them: ``cache_aware``'s tree, through :func:`uncached`
+  from the characters of routing text it says the endpoint holds; ``kv_aware``'s KV index, the
+  tokens past the blocks it credits; the whole prompt under any other policy. On a decode or
+  regular endpoint it is prompt + output, the KV footprint the sequence grows to.
 * :data:`LOAD_METRICS` names what policies compare: request counts or these weights.
 """
 

@@ -13,8 +13,9 @@ Per decision, over the candidates' ledger loads (SPEC §7, vllm-router compatibl
 
 The loads are the stage's ``--load-metric``: request counts, or token weights, in which case
 ``--balance-token-threshold`` stands for ``balance_abs_threshold``.
-:meth:`CacheAware.held_chars` tells routing, per candidate, how much of a text the tree
-expects it to hold, from which the prefill's token weight is estimated (:mod:`..weights`).
+:meth:`CacheAware.uncached_tokens` tells routing, per candidate, the prompt tokens past what
+the tree expects it to hold (:meth:`CacheAware.held_chars`): the prefill's token weight
+(:mod:`..weights`).
 
 The text is then inserted under the chosen endpoint, so the tree follows where prompts went
 (and concurrent requests with one prefix follow each other before the first has finished).
@@ -51,6 +52,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from ..endpoints import Endpoint
+from ..weights import uncached
 from ._base import DecisionObserver, Lesson, PolicySettings, RoutingKey
 from ._choice import least_loaded
 from .radix_tree import Inserted, RadixTree
@@ -114,6 +116,17 @@ class CacheAware:
         """How many leading characters of ``text`` each candidate is expected to hold cached."""
         self._learn()
         return self.tree.match_each(text, frozenset(candidates))
+
+    def uncached_tokens(
+        self, candidates: Sequence[Endpoint], key: RoutingKey
+    ) -> dict[Endpoint, int]:
+        """The prompt tokens each candidate would compute, past the characters it is expected
+        to hold (the whole prompt when there is no routing text)."""
+        if not key.text:
+            return dict.fromkeys(candidates, key.prompt_tokens)
+        held = self.held_chars(candidates, key.text)
+        chars = len(key.text)
+        return {ep: uncached(key.prompt_tokens, held[ep], chars) for ep in candidates}
 
     def choose(
         self, candidates: Sequence[Endpoint], loads: Mapping[Endpoint, int], key: RoutingKey

@@ -15,9 +15,14 @@ Per decision, over the candidates:
   seen, so it may miss blocks but never shows one the engine dropped.
 * score = hit - (load - min_load) / (``--balance-abs-threshold`` + 1): a load difference as
   large as the balance threshold costs as much as a whole cached prompt. When the stage's load
-  metric is tokens (``--load-metric``; prefill's default), loads are tokens in flight and the
-  unbalanced shortcut is not taken: score = hit - (load - min_load) / prompt tokens, so a
-  queue longer than the whole prompt outweighs any hit (both are tokens of prefill work). With
+  metric is tokens (``--load-metric``; prefill's default) the unbalanced shortcut is not taken
+  and both terms are tokens of prefill work over the prompt's tokens: score = hit - (load -
+  min_load) / prompt tokens, where a candidate's load is the uncached tokens in flight there
+  plus this request's uncached tokens there, which routing charges from
+  :meth:`KvAware.uncached_tokens` (the prompt past the blocks credited: the same hit). The hit
+  so counts twice against the queue: the tokens this request would compute elsewhere, and as
+  many cached tokens its new blocks would evict there under cache pressure. A hit wins while its
+  engine's queue is longer by less than twice the tokens it saves. With
   ``--router-temperature`` 0 the best score wins (ties at random); above 0 the choice is drawn
   with probabilities softmax(score / temperature).
 
@@ -157,6 +162,21 @@ class KvAware:
         reason = ("kv_hit" if known else "estimate_hit") if blocks else "miss"
         self._decided(reason, blocks, len(keys), known=known)
         return chosen
+
+    def uncached_tokens(
+        self, candidates: Sequence[Endpoint], key: RoutingKey
+    ) -> dict[Endpoint, int]:
+        """The prompt tokens each candidate would compute: those past the blocks its hit
+        credits (the estimate's count when the request has no token ids)."""
+        view = self._view
+        if view is None or key.tokens is None:
+            return self.estimate.uncached_tokens(candidates, key)
+        keys = block_keys(key.tokens, view.block_size)
+        out: dict[Endpoint, int] = {}
+        for candidate in candidates:
+            cached = self._hit(candidate, key, keys)[0] * len(keys) * view.block_size
+            out[candidate] = max(key.prompt_tokens - round(cached), 0)
+        return out
 
     def _hit(
         self, candidate: Endpoint, key: RoutingKey, keys: list[int]
