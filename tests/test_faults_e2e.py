@@ -42,6 +42,7 @@ from trio_pdrouter.transport import H11Transport
 from trio_pdrouter_sim.server import SimServer
 
 from .cluster import Cluster, eventually, start_cluster
+from .http1 import dechunk
 
 PROMPT = "Once upon a time " * 8
 DONE = b"data: [DONE]\n\n"
@@ -230,20 +231,6 @@ class RawClient:
         self.sock.close()
 
 
-def _dechunk(raw: bytes) -> bytes:
-    """The body of a chunked HTTP/1.1 response."""
-    body = raw.split(b"\r\n\r\n", 1)[1]
-    out = bytearray()
-    while body:
-        size_line, _, rest = body.partition(b"\r\n")
-        size = int(size_line, 16)
-        if size == 0:
-            break
-        out += rest[:size]
-        body = rest[size + 2 :]
-    return bytes(out)
-
-
 def _events(raw: bytes) -> int:
     return raw.count(b'"text"')
 
@@ -402,7 +389,7 @@ async def test_client_that_stops_reading_does_not_hold_decode_load(
 
         await eventually(decode_released)
         assert not client.received, "the client has not read anything yet"
-        payload = _dechunk(await client.read_to_end())
+        payload = dechunk(await client.read_to_end())
         assert payload.endswith(DONE) and _events(payload) == STALLED_TOKENS
         client.close("fin")
         await assert_released(c, transports, aborted={})
@@ -465,7 +452,7 @@ async def test_client_too_far_behind_is_cut_off(transports: list[CountingTranspo
             return bool((await sim_stats(c.decode[0]))["totals"]["aborted"] == 1)
 
         await eventually(engine_aborted)
-        payload = _dechunk(await client.read_to_end())
+        payload = dechunk(await client.read_to_end())
         assert payload.endswith(DONE) and b'"error"' in payload
         assert _events(payload) < STALLED_TOKENS
         client.close("fin")

@@ -21,6 +21,8 @@ from hypercorn.trio.tcp_server import TCPServer
 from benchmarks import hypercorn_send
 from trio_pdrouter.asgi import answer_lifespan
 
+from .http1 import dechunk
+
 PIECES = 400
 PIECE = b"x" * 1000
 
@@ -71,20 +73,7 @@ async def test_pieces_arrive_whole_and_in_order_through_both_ways_out(
                 received += chunk
         sock.close()
         nursery.cancel_scope.cancel()
-    assert _dechunk(bytes(received)) == b"".join(piece(i) for i in range(PIECES))
+    assert dechunk(bytes(received)) == b"".join(piece(i) for i in range(PIECES))
     at_once = hypercorn_send.counts["at_once"] - before["at_once"]
     passed_on = hypercorn_send.counts["passed_on"] - before["passed_on"]
     assert at_once > 0 and passed_on > 0, (at_once, passed_on)
-
-
-def _dechunk(raw: bytes) -> bytes:
-    body = raw.split(b"\r\n\r\n", 1)[1]
-    out = bytearray()
-    while body:
-        size_line, _, rest = body.partition(b"\r\n")
-        size = int(size_line, 16)
-        if size == 0:
-            break
-        out += rest[:size]
-        body = rest[size + 2 :]
-    return bytes(out)
