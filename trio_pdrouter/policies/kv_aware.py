@@ -74,6 +74,10 @@ class KvDecision:
         return f"{self.blocks}/{self.total_blocks};{'known' if self.known else 'estimate'}"
 
 
+#: A key, its block keys, and each candidate's (hit share, blocks credited, known).
+_Read = tuple[RoutingKey, list[int], dict[Endpoint, tuple[float, int, bool]]]
+
+
 class KvAware:
     """Exact prefix-cache affinity from KV events, traded against load (module doc)."""
 
@@ -98,6 +102,9 @@ class KvAware:
         self.estimate = CacheAware(settings, rng, stage=stage, on_decision=lambda _s, _r: None)
         self._by_tokens = settings.stage_load_metric(stage) == "tokens"
         self.last = KvDecision(0, 0, False, "none")
+        #: The hits :meth:`uncached_tokens` read for a key, which the :meth:`choose` that
+        #: follows it in the same synchronous step uses instead of reading the index again.
+        self._read: _Read | None = None
 
     def choose(
         self, candidates: Sequence[Endpoint], loads: Mapping[Endpoint, int], key: RoutingKey
@@ -143,7 +150,11 @@ class KvAware:
             chosen = self.estimate.choose(candidates, loads, key)
             self._decided("no_tokens", 0, 0, known=False)
             return chosen
-        keys = block_keys(key.tokens, view.block_size)
+        read, self._read = self._read, None
+        if read is not None and read[0] is key:
+            keys, hits = read[1], read[2]
+        else:
+            keys, hits = block_keys(key.tokens, view.block_size), {}
         if unbalanced:
             chosen = least_loaded(candidates, loads, self._rng)
             self._remember(key, chosen)
@@ -152,7 +163,8 @@ class KvAware:
         scores: list[float] = []
         seen: list[tuple[int, bool]] = []
         for candidate, load in zip(candidates, values, strict=True):
-            hit, blocks, known = self._hit(candidate, key, keys)
+            found = hits.get(candidate)
+            hit, blocks, known = found if found is not None else self._hit(candidate, key, keys)
             seen.append((blocks, known))
             scores.append(hit - (load - min_load) / scale)
         index = self._pick(scores)
@@ -172,11 +184,13 @@ class KvAware:
         if view is None or key.tokens is None:
             return self.estimate.uncached_tokens(candidates, key)
         keys = block_keys(key.tokens, view.block_size)
-        out: dict[Endpoint, int] = {}
-        for candidate in candidates:
-            cached = self._hit(candidate, key, keys)[0] * len(keys) * view.block_size
-            out[candidate] = max(key.prompt_tokens - round(cached), 0)
-        return out
+        hits = {candidate: self._hit(candidate, key, keys) for candidate in candidates}
+        self._read = (key, keys, hits)
+        cached_per_hit = len(keys) * view.block_size
+        return {
+            candidate: max(key.prompt_tokens - round(hit * cached_per_hit), 0)
+            for candidate, (hit, _blocks, _known) in hits.items()
+        }
 
     def _hit(
         self, candidate: Endpoint, key: RoutingKey, keys: list[int]
