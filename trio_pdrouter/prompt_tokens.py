@@ -28,7 +28,8 @@ from __future__ import annotations
 import logging
 import re
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import TypeVar
 
 import attrs
 import httpx
@@ -36,10 +37,13 @@ import orjson
 import trio
 
 from .policies import RoutingKey
+from .upstream import read_capped
 
 __all__ = ["PromptTokens"]
 
 log = logging.getLogger("trio_pdrouter.kv_events")
+
+T = TypeVar("T")
 
 #: Chat fields that change the rendered prompt (vLLM's /tokenize accepts each of them).
 _CHAT_FIELDS = (
@@ -52,6 +56,8 @@ _CHAT_FIELDS = (
 )
 
 
+#: The largest ``/tokenize`` answer read for token ids (~7 bytes of JSON per token).
+MAX_ANSWER_BYTES = 32 * 1024 * 1024
 #: How much of a ``/tokenize`` answer :meth:`PromptTokens.count` reads to find the count.
 COUNT_HEAD_BYTES = 256
 #: Characters of a text prompt encoded at a time for :meth:`PromptTokens.count`.
@@ -120,61 +126,58 @@ class PromptTokens:
     async def count(self, request: Mapping[str, object]) -> int | None:
         """The engine's token count for a ``/tokenize`` body (:func:`tokenize_request`), None
         on any failure (see the module doc)."""
-        url = self._next_url()
-        if url is None:
+        return await self._post(_json_in_slices(request), _read_count)
+
+    async def _ask(self, raw: bytes) -> tuple[int, ...] | None:
+        return await self._post(raw, _read_tokens)
+
+    async def _post(
+        self, content: bytes | AsyncIterator[bytes], read: Callable[[httpx.Response], Awaitable[T]]
+    ) -> T | None:
+        """POST ``content`` to the next server's ``/tokenize`` and ``read`` a 200 answer; None
+        (counted in ``failures``) on anything else: any failure lets the request through."""
+        servers = self._servers()
+        if not servers:
             return None
+        self._turn = (self._turn + 1) % len(servers)
+        url = servers[self._turn] + "/tokenize"
         self.calls += 1
+        answer: T | None = None
         try:
             with trio.fail_after(self._timeout_s):
                 async with self._client.stream(
                     "POST",
                     url,
-                    content=_json_in_slices(request),
+                    content=content,
                     headers={"Content-Type": "application/json", **self._headers},
                 ) as resp:
-                    head = b""
                     if resp.status_code == 200:
-                        async for chunk in resp.aiter_bytes():
-                            head += chunk
-                            if len(head) >= COUNT_HEAD_BYTES:
-                                break
-            found = _COUNT.match(head)
-        except Exception as exc:  # any failure lets the request through; never the router's
-            log.debug("tokenize count at %s failed: %r", url, exc)
-            found = None
-        if found is None:
-            self.failures += 1
-            return None
-        return int(found[1])
-
-    def _next_url(self) -> str | None:
-        servers = self._servers()
-        if not servers:
-            return None
-        self._turn = (self._turn + 1) % len(servers)
-        return servers[self._turn] + "/tokenize"
-
-    async def _ask(self, raw: bytes) -> tuple[int, ...] | None:
-        url = self._next_url()
-        if url is None:
-            return None
-        self.calls += 1
-        try:
-            with trio.fail_after(self._timeout_s):
-                resp = await self._client.post(
-                    url,
-                    content=raw,
-                    headers={"Content-Type": "application/json", **self._headers},
-                )
-            answer = orjson.loads(resp.content) if resp.status_code == 200 else None
-        except (httpx.HTTPError, trio.TooSlowError, orjson.JSONDecodeError, OSError) as exc:
+                        answer = await read(resp)
+        except Exception as exc:  # the engine, the network, a timeout, a malformed answer
             log.debug("tokenize at %s failed: %r", url, exc)
-            answer = None
-        tokens = answer.get("tokens") if isinstance(answer, dict) else None
-        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        if answer is None:
             self.failures += 1
-            return None
-        return tuple(tokens)
+        return answer
+
+
+async def _read_count(resp: httpx.Response) -> int | None:
+    """The ``count`` at the head of a ``/tokenize`` answer; the rest is not read."""
+    head = b""
+    async for chunk in resp.aiter_bytes():
+        head += chunk
+        if len(head) >= COUNT_HEAD_BYTES:
+            break
+    found = _COUNT.match(head)
+    return None if found is None else int(found[1])
+
+
+async def _read_tokens(resp: httpx.Response) -> tuple[int, ...] | None:
+    """The token ids of a ``/tokenize`` answer (read up to :data:`MAX_ANSWER_BYTES`)."""
+    answer = orjson.loads(await read_capped(resp, MAX_ANSWER_BYTES))
+    tokens = answer.get("tokens") if isinstance(answer, dict) else None
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        return None
+    return tuple(tokens)
 
 
 async def _json_in_slices(request: Mapping[str, object]) -> AsyncIterator[bytes]:
