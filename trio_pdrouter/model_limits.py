@@ -27,6 +27,8 @@ import httpx
 import orjson
 import trio
 
+from .upstream import read_capped
+
 log = logging.getLogger("trio_pdrouter.model_limits")
 
 #: The largest ``/v1/models`` answer read (a model list is a few hundred bytes per model).
@@ -111,14 +113,9 @@ class ModelLimits:
                     if resp.status_code != 200:
                         log.debug("models url=%s status=%d", url, resp.status_code)
                         return None
-                    raw = bytearray()
-                    async for chunk in resp.aiter_bytes():
-                        raw += chunk
-                        if len(raw) > MAX_ANSWER_BYTES:
-                            log.debug("models url=%s answer over %d bytes", url, len(raw))
-                            return None
+                    raw = await read_capped(resp, MAX_ANSWER_BYTES)
             return _largest_limit(orjson.loads(raw))
-        except Exception as exc:  # any failure leaves the limit unknown; never the loop's end
+        except Exception as exc:  # any failure (AnswerTooLarge too) leaves the limit unknown
             log.debug("models url=%s failed=%r", url, exc)
             return None
 
