@@ -214,11 +214,7 @@ def run(ctx: Context) -> dict[str, Any]:
         "notes": [],
         "targets": {},
     }
-    kinds = [("trio-pdrouter", "ours")]
-    if ctx.vllm_router:
-        kinds.append(("vllm-router", "vllm"))
-    else:
-        result["notes"].append(ctx.note_vllm_missing())
+    kinds = ctx.router_kinds(result["notes"])
     procs = ProcessSet(ctx.log_dir / "caps")
     try:
         sims = [start_sim(procs, f"sim-{i}", *FAST_SIM) for i in range(2)]

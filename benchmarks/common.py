@@ -122,6 +122,16 @@ class Context:
         self.progress.note(text)
         return text
 
+    def router_kinds(self, notes: list[str]) -> list[tuple[str, str]]:
+        """``(label, kind)`` of the routers to run side by side: ours, and vllm-router when it
+        is installed (else a note saying its rows are skipped goes into ``notes``)."""
+        kinds = [("trio-pdrouter", "ours")]
+        if self.vllm_router:
+            kinds.append(("vllm-router", "vllm"))
+        else:
+            notes.append(self.note_vllm_missing())
+        return kinds
+
 
 def cdf_points(values: Sequence[float], points: int = 101) -> list[float]:
     """``points`` evenly spaced quantiles (0 %..100 %) of ``values``, in milliseconds."""

@@ -61,11 +61,7 @@ def run(ctx: Context) -> dict[str, Any]:
         "notes": [],
         "targets": {},
     }
-    kinds = [("trio-pdrouter", "ours")]
-    if ctx.vllm_router:
-        kinds.append(("vllm-router", "vllm"))
-    else:
-        result["notes"].append(ctx.note_vllm_missing())
+    kinds = ctx.router_kinds(result["notes"])
     runs: dict[str, list[dict[str, float]]] = {label: [] for label, _ in kinds}
     procs = ProcessSet(ctx.log_dir / "memory")
     try:
