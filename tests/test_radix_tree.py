@@ -151,6 +151,8 @@ def test_tree_matches_brute_force_model(operations: list[tuple[object, ...]]) ->
             assert isinstance(text, str)
             assert eligible is None or isinstance(eligible, set)
             assert tree.match(text, eligible) == model.match(text, eligible)
+            if eligible is not None:  # the one walk that also gives match's answer
+                assert tree.match_with_each(text, eligible)[1:] == model.match(text, eligible)
         tree._check_invariants()
         for tenant in TENANTS:
             assert tree_prefixes(tree, tenant) == model.held.get(tenant, {})

@@ -97,6 +97,9 @@ class CacheAware:
         #: What the last choice taught the tree (None without routing text); read by routing
         #: right after it chose, in the same synchronous step.
         self.lesson: Lesson | None = None
+        #: What :meth:`uncached_tokens` read of the tree for a key and candidates, which the
+        #: :meth:`choose` that follows it in the same synchronous step uses instead of a walk.
+        self._read: tuple[RoutingKey, Sequence[Endpoint], int, Endpoint | None] | None = None
         tokens = settings.stage_load_metric(stage) == "tokens"
         self._abs_threshold = (
             settings.balance_token_threshold if tokens else settings.balance_abs_threshold
@@ -124,7 +127,9 @@ class CacheAware:
         to hold (the whole prompt when there is no routing text)."""
         if not key.text:
             return dict.fromkeys(candidates, key.prompt_tokens)
-        held = self.held_chars(candidates, key.text)
+        self._learn()
+        held, matched_chars, matched = self.tree.match_with_each(key.text, frozenset(candidates))
+        self._read = (key, candidates, matched_chars, matched)
         chars = len(key.text)
         return {ep: uncached(key.prompt_tokens, held[ep], chars) for ep in candidates}
 
@@ -142,8 +147,12 @@ class CacheAware:
         text = key.text
         match_rate = 0.0
         matched: Endpoint | None = None
+        read, self._read = self._read, None
         if text:
-            matched_chars, matched = self.tree.match(text, eligible=frozenset(candidates))
+            if read is not None and read[0] is key and read[1] is candidates:
+                matched_chars, matched = read[2], read[3]  # this step's walk, for the weights
+            else:
+                matched_chars, matched = self.tree.match(text, eligible=frozenset(candidates))
             match_rate = matched_chars / len(text)
         if not text:
             reason = "empty_text"

@@ -166,23 +166,37 @@ class RadixTree(Generic[T]):
         """For each ``eligible`` tenant, the length of the longest prefix of ``text`` it owns
         (0 when none): one walk down the text's path, each tenant's figure set at the deepest
         node it owns. Does not refresh any stamp."""
+        return self.match_with_each(text, eligible)[0]
+
+    def match_with_each(
+        self, text: str, eligible: AbstractSet[T]
+    ) -> tuple[dict[T, int], int, T | None]:
+        """:meth:`match_each`, and :meth:`match` over ``eligible``, from the same one walk."""
         out = dict.fromkeys(eligible, 0)
         node = self._root
         pos = 0
         end = len(text)
+        best: _Node[T] | None = None
+        matched = 0
         while pos < end:
             child = node.children.get(text[pos])
             if child is None or eligible.isdisjoint(child.stamps):
                 break
             k = common_len(child.label, text, pos)
+            best = child
+            matched = pos + k
             for tenant in child.stamps:
                 if tenant in out:
-                    out[tenant] = pos + k
+                    out[tenant] = matched
             if k < len(child.label):
                 break
             node = child
             pos += k
-        return out
+        if best is None:
+            return out, 0, None
+        stamps = best.stamps
+        owners = [t for t in stamps if t in eligible]
+        return out, matched, max(owners, key=stamps.__getitem__)
 
     # -- updates -----------------------------------------------------------------------------
 
