@@ -4,7 +4,9 @@ The model is the set of blocks the engine holds (with copies), after each publis
 Hypothesis state machine drives the simulator's :class:`~trio_pdrouter_sim.kv_events.KvJournal`
 (the publisher: numbering, a small replay buffer) and delivers its batches to a
 :class:`~trio_pdrouter.kv_feed.Feed`: stores (duplicate copies included), removes, clears, lost
-batches, replays served or failed, probes, and restarts (announced by their first batch, seq 0:
+batches, replays served or failed (served at once, or answered now and delivered after later
+live batches, as a publisher's answer can be overtaken by its next PUB frame), probes, and
+restarts (announced by their first batch, seq 0:
 a restart whose first batches are all lost is not detectable from sequence numbers).
 
 Invariants after every rule, for the engine as of the feed's ``last_seq``:
@@ -56,6 +58,8 @@ class FeedMachine(RuleBasedStateMachine):
         self.copies: Counter[int] = Counter()
         self.truth: dict[int, Counter[int]] = {}
         self.asked: int | None = None
+        #: A replay answered but not yet delivered: (asked from, its batches).
+        self.answer: tuple[int, list[Batch]] | None = None
         self._next_id = 1
 
     def _decode(self, payload: bytes, seq: int) -> Batch:
@@ -150,12 +154,30 @@ class FeedMachine(RuleBasedStateMachine):
     def serve_replay(self) -> None:
         assert self.asked is not None
         start = self.asked
+        self._ask(self.feed.replayed(start, self._replay_batches(start)))
+
+    def _replay_batches(self, start: int) -> list[Batch]:
         frames = self.journal.replay_frames(start)
-        batches = [
+        return [
             self._decode(payload, int.from_bytes(seq, "big", signed=True))
             for _, _, seq, payload in frames[:-1]
         ]
-        self._ask(self.feed.replayed(start, batches))
+
+    @precondition(lambda self: self.asked is not None and self.answer is None)
+    @rule()
+    def answer_replay(self) -> None:
+        """The publisher answers now; the answer reaches the feed later (deliver_answer)."""
+        assert self.asked is not None
+        self.answer = (self.asked, self._replay_batches(self.asked))
+
+    @precondition(lambda self: self.answer is not None)
+    @rule()
+    def deliver_answer(self) -> None:
+        assert self.answer is not None
+        start, batches = self.answer
+        self.answer = None
+        if start == self.feed.wanted:
+            self._ask(self.feed.replayed(start, batches))
 
     @precondition(lambda self: self.asked is not None)
     @rule()
@@ -185,3 +207,26 @@ class FeedMachine(RuleBasedStateMachine):
 
 
 TestFeedMachine = FeedMachine.TestCase
+
+
+def test_a_probe_answered_before_the_next_batch_keeps_the_engine_known() -> None:
+    """A probe from ``last + 1`` is answered empty, and the batch ``last + 1`` (published just
+    after the answer) arrives live before it: nothing was lost, the feed stays exact."""
+    journal = KvJournal(0, BS, pub=None, buffer=8)
+    index = BlockIndex(BS, {"GPU": 1.0}, budget=100)
+    feed = Feed(index, can_replay=True)
+
+    def publish(block: int, tokens: tuple[int, ...]) -> Batch:
+        seq = journal.next_seq
+        journal.stored([block], None, list(tokens))
+        journal.step()
+        return decode_payload(journal.buffer[-1][1], seq)
+
+    assert feed.live(publish(1, (1, 2))) is None  # seq 0: exact from the start
+    start = feed.probe()
+    assert start == 1
+    assert len(journal.replay_frames(start)) == 1  # the answer: only the end marker
+    assert feed.live(publish(2, (3, 4))) is None  # seq 1, live, buffered during the replay
+    assert feed.replayed(start, []) is None
+    assert feed.known and feed.last_seq == 1
+    assert set(index.held_keys()) == set(block_keys((1, 2), BS) + block_keys((3, 4), BS))

@@ -10,9 +10,11 @@ is exact. Its states, as the table :data:`NEXT` the code uses::
     UNKNOWN    UNKNOWN       UNKNOWN (index cleared)   REPLAYING from 0      see below  UNKNOWN
 
 A replay is complete when its first batch is the one asked for (or, asked from 0, nothing was
-published yet): from 0 it rebuilds the index from scratch (KNOWN); from ``last+1`` it fills the
-gap (the state before it stays). Incomplete, it leaves the feed UNKNOWN. Without a replay
-source, every row's "REPLAYING" is UNKNOWN.
+published yet), counting the live batches buffered meanwhile: the publisher may answer before
+it publishes the batch asked for, whose live frame then arrives first. From 0 it rebuilds the
+index from scratch (KNOWN); from ``last+1`` it fills the gap (the state before it stays).
+Incomplete, it leaves the feed UNKNOWN. Without a replay source, every row's "REPLAYING" is
+UNKNOWN.
 
 The rules:
 
@@ -148,8 +150,11 @@ class Feed:
             self.last_seq = None
             return self._take(pending[restarted:], covered=False)
         ordered = sorted(batches, key=lambda b: b.seq)
-        if (ordered and ordered[0].seq > start) or (not ordered and pending):
-            self._lose()  # history no longer buffered (or the publisher restarted meanwhile)
+        # The first batch from ``start`` on may be live, not replayed: the publisher answered
+        # before publishing it, and its PUB frame overtook the answer on the other socket.
+        first = ordered[0].seq if ordered else pending[0].seq if pending else None
+        if first is not None and first > start:
+            self._lose()  # history no longer buffered
         elif start == 0:
             # From the very first batch (or nothing published yet): rebuild exactly.
             self.index.clear()
