@@ -4,7 +4,7 @@ The model is the set of blocks the engine holds (with copies), after each publis
 Hypothesis state machine drives the simulator's :class:`~trio_pdrouter_sim.kv_events.KvJournal`
 (the publisher: numbering, a small replay buffer) and delivers its batches to a
 :class:`~trio_pdrouter.kv_feed.Feed`: stores (duplicate copies included), removes, clears, lost
-batches, replays served or failed (served at once, or answered now and delivered after later
+batches, late live copies of batches already delivered, replays served or failed (served at once, or answered now and delivered after later
 live batches, as a publisher's answer can be overtaken by its next PUB frame), probes, and
 restarts (announced by their first batch, seq 0:
 a restart whose first batches are all lost is not detectable from sequence numbers).
@@ -58,8 +58,8 @@ class FeedMachine(RuleBasedStateMachine):
         self.copies: Counter[int] = Counter()
         self.truth: dict[int, Counter[int]] = {}
         self.asked: int | None = None
-        #: A replay answered but not yet delivered: (asked from, its batches).
-        self.answer: tuple[int, list[Batch]] | None = None
+        #: A replay answered but not yet delivered: (asked from, ask number, its batches).
+        self.answer: tuple[int, int, list[Batch]] | None = None
         self._next_id = 1
 
     def _decode(self, payload: bytes, seq: int) -> Batch:
@@ -154,7 +154,7 @@ class FeedMachine(RuleBasedStateMachine):
     def serve_replay(self) -> None:
         assert self.asked is not None
         start = self.asked
-        self._ask(self.feed.replayed(start, self._replay_batches(start)))
+        self._ask(self.feed.replayed(start, self._replay_batches(start), ask=self.feed.asks))
 
     def _replay_batches(self, start: int) -> list[Batch]:
         frames = self.journal.replay_frames(start)
@@ -168,22 +168,30 @@ class FeedMachine(RuleBasedStateMachine):
     def answer_replay(self) -> None:
         """The publisher answers now; the answer reaches the feed later (deliver_answer)."""
         assert self.asked is not None
-        self.answer = (self.asked, self._replay_batches(self.asked))
+        self.answer = (self.asked, self.feed.asks, self._replay_batches(self.asked))
 
     @precondition(lambda self: self.answer is not None)
     @rule()
     def deliver_answer(self) -> None:
         assert self.answer is not None
-        start, batches = self.answer
+        start, ask, batches = self.answer
         self.answer = None
         if start == self.feed.wanted:
-            self._ask(self.feed.replayed(start, batches))
+            self._ask(self.feed.replayed(start, batches, ask=ask))
 
     @precondition(lambda self: self.asked is not None)
     @rule()
     def fail_replay(self) -> None:
         assert self.asked is not None
-        self._ask(self.feed.replay_failed(self.asked))
+        self._ask(self.feed.replay_failed(self.asked, ask=self.feed.asks))
+
+    @precondition(lambda self: bool(self.journal.buffer))
+    @rule(data=st.data())
+    def late_copy(self, data: st.DataObject) -> None:
+        """A batch still buffered arrives live again, as a frame the subscriber had queued
+        while a replay delivered the same batch does."""
+        seq, payload = data.draw(st.sampled_from(list(self.journal.buffer)))
+        self._ask(self.feed.live(self._decode(payload, seq)))
 
     @precondition(lambda self: self.asked is None)
     @rule()
@@ -227,6 +235,33 @@ def test_a_probe_answered_before_the_next_batch_keeps_the_engine_known() -> None
     assert start == 1
     assert len(journal.replay_frames(start)) == 1  # the answer: only the end marker
     assert feed.live(publish(2, (3, 4))) is None  # seq 1, live, buffered during the replay
-    assert feed.replayed(start, []) is None
+    assert feed.replayed(start, [], ask=feed.asks) is None
     assert feed.known and feed.last_seq == 1
     assert set(index.held_keys()) == set(block_keys((1, 2), BS) + block_keys((3, 4), BS))
+
+
+def test_late_live_copies_of_replayed_batches_are_not_a_restart() -> None:
+    """At startup a replay delivers seq 0 and 1 while their live frames are still queued: the
+    copies that follow are dropped; a restarted publisher's seq 0 (a later timestamp) is not."""
+    journal = KvJournal(0, BS, pub=None, buffer=8)
+    index = BlockIndex(BS, {"GPU": 1.0}, budget=100)
+    feed = Feed(index, can_replay=True)
+    for block, tokens in ((1, (1, 2)), (2, (3, 4))):
+        journal.stored([block], None, list(tokens))
+        journal.step()
+    copies = [decode_payload(payload, seq) for seq, payload in journal.buffer]
+    start = feed.probe()
+    assert start == 0
+    replay = [decode_payload(p, s) for s, p in journal.buffer]
+    assert feed.replayed(start, replay, ask=feed.asks) is None
+    held = set(index.held_keys())
+    for copy in copies:
+        assert feed.live(copy) is None
+    assert feed.known and feed.restarts == 0 and feed.last_seq == 1
+    assert set(index.held_keys()) == held
+    journal.restart()
+    journal.stored([7], None, [5, 6])
+    journal.step()
+    assert feed.live(decode_payload(journal.buffer[-1][1], 0)) is None
+    assert feed.restarts == 1 and feed.known
+    assert set(index.held_keys()) == set(block_keys((5, 6), BS))

@@ -19,7 +19,10 @@ UNKNOWN.
 The rules:
 
 * A batch whose seq goes backwards is a publisher restart: the index is cleared and the new
-  stream starts (KNOWN if it starts at seq 0, else a replay from 0 is asked).
+  stream starts (KNOWN if it starts at seq 0, else a replay from 0 is asked). Unless it is a
+  late copy: a live frame of a batch a replay already delivered (the subscriber had it queued
+  while the replay answered, typically at startup) has the seq *and* timestamp of a batch
+  applied, and is dropped; a restarted publisher's batch has a later timestamp.
 * A gap asks for a replay from the first missing seq; live batches meanwhile are buffered (at
   most ``max_pending``; beyond, the replay is abandoned and the feed is UNKNOWN).
 * A replay whose first batch is later than asked (history no longer buffered), or that fails, or
@@ -33,12 +36,16 @@ The rules:
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from .kv_index import BlockIndex
 from .kv_wire import AllBlocksCleared, Batch
 
 __all__ = ["Feed", "FeedState"]
+
+#: Applied batches remembered by seq and timestamp (see :meth:`Feed.live`).
+RECENT = 1024
 
 
 class FeedState(enum.Enum):
@@ -65,7 +72,13 @@ class Feed:
         self._exact = False
         self._seen = False
         self._replay_from: int | None = None
+        #: How many replays were asked: an answer names the ask it answers, so an answer to
+        #: one asked before a restart is not taken for a later ask from the same seq.
+        self.asks = 0
         self._pending: list[Batch] = []
+        #: seq -> timestamp of the batches applied last (at most :data:`RECENT`), to know a
+        #: late live copy of a replayed batch from a restarted publisher's batch.
+        self._applied: OrderedDict[int, float] = OrderedDict()
 
     @property
     def state(self) -> FeedState:
@@ -85,6 +98,8 @@ class Feed:
     def live(self, batch: Batch) -> int | None:
         """Take one live batch; returns the seq to replay from when one is needed."""
         self._seen = True
+        if self._applied.get(batch.seq) == batch.ts:
+            return None  # a late live copy of a batch a replay already applied
         if self._replay_from is not None:
             before = self._pending[-1].seq if self._pending else self.last_seq
             if before is not None and batch.seq <= before:
@@ -126,6 +141,7 @@ class Feed:
             return None
         start = self.last_seq + 1 if self._exact and self.last_seq is not None else 0
         self._replay_from = start
+        self.asks += 1
         return start
 
     @property
@@ -133,12 +149,12 @@ class Feed:
         """The seq a replay is wanted from (None: no replay wanted)."""
         return self._replay_from
 
-    def replayed(self, start: int, batches: Sequence[Batch]) -> int | None:
-        """The batches, in order up to the end marker, of a replay asked from ``start`` (an
-        answer to an earlier request is ignored). The live batches buffered meanwhile are then
-        taken as :meth:`live` takes them; returns the seq to replay from if that needs another
-        replay."""
-        if start != self._replay_from:
+    def replayed(self, start: int, batches: Sequence[Batch], *, ask: int) -> int | None:
+        """The batches, in order up to the end marker, of replay number ``ask`` (:attr:`asks`
+        when it was sent), asked from ``start``; an answer to any other ask is ignored. The live
+        batches buffered meanwhile are then taken as :meth:`live` takes them; returns the seq
+        to replay from if that needs another replay."""
+        if start != self._replay_from or ask != self.asks:
             return None
         self._replay_from = None
         self.replays += 1
@@ -165,9 +181,9 @@ class Feed:
             self._apply_in_order(batch)
         return self._take(pending, covered=True)
 
-    def replay_failed(self, start: int) -> int | None:
-        """The replay asked from ``start`` got no answer: whatever was asked for is lost."""
-        if start != self._replay_from:
+    def replay_failed(self, start: int, *, ask: int) -> int | None:
+        """Replay number ``ask``, from ``start``, got no answer: whatever was asked is lost."""
+        if start != self._replay_from or ask != self.asks:
             return None
         self._replay_from = None
         self._seen = True
@@ -193,6 +209,7 @@ class Feed:
     def _need(self, start: int, batch: Batch) -> int | None:
         if self.can_replay:
             self._replay_from = start
+            self.asks += 1
             self._pending = [batch]
             return start
         self._lose()
@@ -217,6 +234,11 @@ class Feed:
     def _apply(self, batch: Batch) -> None:
         self.index.apply(batch.events)
         self.last_seq = batch.seq
+        applied = self._applied
+        applied[batch.seq] = batch.ts
+        applied.move_to_end(batch.seq)
+        if len(applied) > RECENT:
+            applied.popitem(last=False)
         if not self._exact and any(isinstance(e, AllBlocksCleared) for e in batch.events):
             # The engine emptied its cache and every event since is seen: exact again.
             self._exact = True

@@ -206,14 +206,15 @@ class KvEvents:
                     if feed.wanted is None:
                         feed.probe()
                     continue
+                ask = feed.asks
                 batches = await self._replay(source, dealer, start)
                 if batches is None:
                     close(dealer)
                     dealer = self._dealer(endpoint)
                     log.warning("kv events: replay from %s failed (seq %d)", source.key, start)
-                    feed.replay_failed(start)
+                    feed.replay_failed(start, ask=ask)
                 else:
-                    feed.replayed(start, batches)
+                    feed.replayed(start, batches, ask=ask)
         finally:
             close(dealer)
 
