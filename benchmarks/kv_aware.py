@@ -1,13 +1,18 @@
 """PD under prefill cache pressure: ``kv_aware`` against ``cache_aware`` and vllm-router (issue 21).
 
-Two prefill simulators (each engine's prefix cache holds about 6 of the 32 prefix groups, so
-the fleet holds about 12) publish vLLM's KV events; one decode simulator; prefill costs
-0.4 ms per uncached token, so a miss costs about 200 ms of TTFT. Closed loops of 64 streaming
-clients. Each configuration runs with one router, then with two replicas behind the clients
-split in half (what a round-robin Service gives clients that keep their connections), then
-with one router of ``--workers 2`` (the supervisor's one subscription fanned out to both).
-Figures from the simulators' truth: the prefill prefix-hit rate (cached / prompt tokens), and
-the load generator's TTFT p50/p99 and req/s.
+Two prefill simulators, each computing one prompt at a time (a prefill engine is compute-bound:
+5 ms + 0.1 ms per uncached token, so a miss of ~530 tokens costs ~58 ms of engine time and a
+hit ~11 ms, and queues form), each holding about 6 of the workload's 32 prefix groups in its
+prefix cache (the fleet about 12); they publish vLLM's KV events. One decode simulator (20 ms a
+token). Workload: 2,000-character shared prefixes, 8 hot groups taking 70 % of the requests
+and 24 cold ones the rest, a unique 64-character question, 16-32 tokens streamed; closed loops
+of 64 clients. With the hot groups split between the engines and the rest of each cache
+holding cold groups, about 75 % of the requests can hit. Each configuration runs with one
+router, then with two replicas behind the clients split in half (what a round-robin Service
+gives clients that keep their connections), then with one router of ``--workers 2`` (the
+supervisor's one subscription fanned out to both). Figures from the simulators' truth: the
+prefill prefix-hit rate (cached / prompt tokens), and the load generator's TTFT p50/p99 and
+req/s.
 First, in front of warm engines (10 prefix groups sent twice through a first router: each
 engine holds about 5): a router started fresh (its estimate empty; ``kv_aware`` replays the
 engines' buffered events) takes 100 requests drawn from those groups, and the hit rate over
@@ -34,7 +39,8 @@ CLIENTS = 64
 BLOCK = 16
 LOAD = [
     "--stream", "--max-tokens", "32", "--max-tokens-min", "16", "--prefix-chars", "2000",
-    "--hot-groups", "0", "--cold-groups", "32", "--suffix-chars", "64", "--warmup", "2",
+    "--hot-groups", "8", "--cold-groups", "24", "--hot-share", "0.7", "--suffix-chars", "64",
+    "--warmup", "2",
 ]  # fmt: skip
 
 
@@ -45,8 +51,9 @@ def estimate(profile: str) -> float:
 
 def _prefill_flags() -> list[str]:
     return [
-        "--role", "prefill", "--fast", "--prefill-per-token-s", "0.0004",
-        "--prefix-cache-blocks", "190", "--kv-events-port", "0", "--kv-replay-port", "0",
+        "--role", "prefill", "--fast", "--max-num-seqs", "1", "--prefill-base-s", "0.005",
+        "--prefill-per-token-s", "0.0001", "--prefix-cache-blocks", "190",
+        "--kv-events-port", "0", "--kv-replay-port", "0",
     ]  # fmt: skip
 
 

@@ -67,18 +67,49 @@ def test_the_engine_holding_the_longest_prefix_wins_over_a_little_load() -> None
     assert policy.last.blocks == 6 and policy.last.known and policy.last.reason == "kv_hit"
 
 
-def test_with_token_loads_a_hit_wins_while_its_queue_is_shorter_than_twice_what_it_saves() -> None:
+def test_with_token_loads_a_hit_wins_until_the_loads_are_unbalanced() -> None:
     view = View()
     view.store(EPS[1], 6)  # 6 of the prompt's 8 blocks: 24 of 32 tokens cached
     policy = make(view, load_metric="tokens")
     key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
     assert policy.uncached_tokens(EPS, key) == {EPS[0]: 32, EPS[1]: 8, EPS[2]: 32}
     # Loads are the tokens queued plus this request's uncached tokens there (routing's sum).
-    # 45 tokens more queued on EPS[1]: less than the 24 it saves computing and the 24 cached
-    # tokens that computing them elsewhere would evict there.
-    assert policy.choose(EPS, {EPS[0]: 100 + 32, EPS[1]: 145 + 8, EPS[2]: 100 + 32}, key) == EPS[1]
-    # 50 more: computing the whole prompt elsewhere costs less.
-    assert policy.choose(EPS, {EPS[0]: 100 + 32, EPS[1]: 150 + 8, EPS[2]: 100 + 32}, key) != EPS[1]
+    # 300 on EPS[1] against 132: over 1.5 times, but 168 more is less than 6 prompts (192).
+    assert policy.choose(EPS, {EPS[0]: 100 + 32, EPS[1]: 292 + 8, EPS[2]: 100 + 32}, key) == EPS[1]
+    assert policy.last.reason == "kv_hit"
+    # 330: 198 more, past both, and the least loaded then finishes this prefill first.
+    assert policy.choose(EPS, {EPS[0]: 100 + 32, EPS[1]: 322 + 8, EPS[2]: 100 + 32}, key) != EPS[1]
+    assert policy.last.reason == "unbalanced"
+    # A --balance-token-threshold above 6 prompts counts instead.
+    wide = make(view, load_metric="tokens", balance_token_threshold=500)
+    assert wide.choose(EPS, {EPS[0]: 100 + 32, EPS[1]: 322 + 8, EPS[2]: 100 + 32}, key) == EPS[1]
+
+
+def test_between_balanced_token_loads_the_load_decides_among_similar_hits() -> None:
+    view = View()
+    view.store(EPS[1], 6)
+    view.store(EPS[2], 5)
+    policy = make(view, load_metric="tokens")
+    key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
+    # EPS[1] holds one block more (1/8 of the prompt) but is a third busier: EPS[2] wins.
+    assert policy.choose(EPS, {EPS[0]: 100, EPS[1]: 150, EPS[2]: 100}, key) == EPS[2]
+    assert policy.choose(EPS, {EPS[0]: 100, EPS[1]: 105, EPS[2]: 100}, key) == EPS[1]
+
+
+def test_a_miss_everywhere_goes_home_where_the_prefix_was_sent_before() -> None:
+    view = View()
+    policy = make(view, load_metric="tokens")
+    key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
+    loads = {EPS[0]: 100, EPS[1]: 130, EPS[2]: 100}
+    first = policy.choose(EPS, {EPS[0]: 100, EPS[1]: 90, EPS[2]: 100}, key)
+    assert first == EPS[1] and policy.last.reason == "miss"  # nothing held: the least loaded
+    # Its blocks were evicted (the index holds nothing): it goes back to EPS[1], busier or not.
+    assert [policy.choose(EPS, loads, key) for _ in range(5)] == [EPS[1]] * 5
+    assert policy.last.reason == "home"
+    # A prefix sent nowhere before has no home: the least loaded.
+    other = RoutingKey(text="another routing text " * 4, prompt_tokens=32, tokens=TOKENS[::-1])
+    assert policy.choose(EPS, loads, other) in (EPS[0], EPS[2])
+    assert policy.last.reason == "miss"
 
 
 def prefill_routing(view: View) -> tuple[Routing, LoadLedger]:
@@ -121,10 +152,10 @@ def test_an_evicted_prefix_earns_nothing() -> None:
     view = View()
     view.store(EPS[1], 8)
     view.indexes[EPS[1].url].apply([BlockRemoved((1,), "GPU")])  # the root: nothing leads
-    policy = make(view)
-    counts = Counter(policy.choose(EPS, dict.fromkeys(EPS, 0), KEY) for _ in range(60))
+    policies = [make(view, seed=i) for i in range(60)]  # fresh: no home for the prefix yet
+    counts = Counter(p.choose(EPS, dict.fromkeys(EPS, 0), KEY) for p in policies)
     assert set(counts) == set(EPS)  # a miss everywhere: ties spread
-    assert policy.last.reason == "miss"
+    assert all(p.last.reason == "miss" for p in policies)
 
 
 def test_an_off_gpu_block_counts_its_penalty() -> None:

@@ -2,8 +2,9 @@
 
 Per decision, over the candidates:
 
-* unbalanced loads (``cache_aware``'s test, ``--balance-abs-threshold`` and
-  ``--balance-rel-threshold``): the least-loaded candidate, as ``cache_aware`` does;
+* unbalanced loads (``cache_aware``'s test on ``--balance-abs-threshold`` and
+  ``--balance-rel-threshold``; with token loads see below): the least-loaded candidate, as
+  ``cache_aware`` does;
 * no token ids for the request (``/tokenize`` failed or was not needed): ``cache_aware``'s
   decision over its estimated tree;
 * otherwise each candidate's *hit* is the share of the prompt's full blocks it holds as a
@@ -13,16 +14,23 @@ Per decision, over the candidates:
   the routing text ``cache_aware``'s tree has seen go there) and what its index shows: after a
   loss the index is cleared and then holds only blocks stored since, whose removes are all
   seen, so it may miss blocks but never shows one the engine dropped.
-* score = hit - (load - min_load) / (``--balance-abs-threshold`` + 1): a load difference as
-  large as the balance threshold costs as much as a whole cached prompt. When the stage's load
-  metric is tokens (``--load-metric``; prefill's default) the unbalanced shortcut is not taken
-  and both terms are tokens of prefill work over the prompt's tokens: score = hit - (load -
-  min_load) / prompt tokens, where a candidate's load is the uncached tokens in flight there
-  plus this request's uncached tokens there, which routing charges from
-  :meth:`KvAware.uncached_tokens` (the prompt past the blocks credited: the same hit). The hit
-  so counts twice against the queue: the tokens this request would compute elsewhere, and as
-  many cached tokens its new blocks would evict there under cache pressure. A hit wins while its
-  engine's queue is longer by less than twice the tokens it saves. With
+* a miss everywhere (no candidate holds even the first block): the candidate the estimated
+  tree last sent this prefix to (its *home*) gets the estimate's share as its hit, so an evicted
+  prefix is stored again where its group lives and the engines go on holding different groups
+  (reason ``home``). Measured under cache pressure (``python -m benchmarks --only kv_aware``):
+  without it, misses went to the least loaded engine, every engine came to hold a bit of every
+  group, and the hit rate fell (README).
+* score = hit - (load - min_load) / scale. Counting requests, scale is
+  ``--balance-abs-threshold`` + 1: a load difference as large as the balance threshold costs as
+  much as a whole cached prompt. Counting tokens (``--load-metric``; prefill's default), the
+  unbalanced test's absolute part is the larger of ``--balance-token-threshold`` and
+  :data:`HELD_PROMPTS` times the prompt's tokens (a hit keeps its engine until that engine is
+  several prompts' work behind), and scale is the larger of that part and the largest load:
+  a hit's edge fades as its engine's queue nears the point where loads count as unbalanced,
+  and between similar hits the load decides. A candidate's token load is the uncached
+  tokens in flight there plus this request's uncached tokens there (which routing charges from
+  :meth:`KvAware.uncached_tokens`: the prompt past the blocks credited), so once loads are
+  unbalanced the least loaded candidate is also the one that finishes this prefill first. With
   ``--router-temperature`` 0 the best score wins (ties at random); above 0 the choice is drawn
   with probabilities softmax(score / temperature).
 
@@ -50,6 +58,12 @@ from ._base import DecisionObserver, PolicySettings, RoutingKey
 from ._choice import least_loaded
 from .cache_aware import CacheAware
 from .session_affinity import SessionTable, overloaded
+
+#: With token loads, a hit is kept until the loads differ by more than this many of the
+#: request's prompts (and ``--balance-rel-threshold``). Measured under cache pressure
+#: (``python -m benchmarks --only kv_aware``, ~530-token prompts): a threshold of 1,000 tokens
+#: gave 47 % prefix hits, 3,000 gave 51 %, where ``cache_aware`` gave 49.5 % (README).
+HELD_PROMPTS = 6
 
 
 class KvView(Protocol):
@@ -139,12 +153,14 @@ class KvAware:
         s = self._settings
         values = [loads.get(c, 0) for c in candidates]
         max_load, min_load = max(values), min(values)
+        if self._by_tokens:
+            threshold = max(s.balance_token_threshold, HELD_PROMPTS * key.prompt_tokens)
+        else:
+            threshold = s.balance_abs_threshold
         unbalanced = (
-            not self._by_tokens
-            and max_load - min_load > s.balance_abs_threshold
-            and max_load > min_load * s.balance_rel_threshold
+            max_load - min_load > threshold and max_load > min_load * s.balance_rel_threshold
         )
-        scale = max(key.prompt_tokens, 1) if self._by_tokens else s.balance_abs_threshold + 1
+        scale = max(max_load, threshold, 1) if self._by_tokens else threshold + 1
         view = self._view
         if view is None or key.tokens is None:
             chosen = self.estimate.choose(candidates, loads, key)
@@ -160,18 +176,26 @@ class KvAware:
             self._remember(key, chosen)
             self._decided("unbalanced", 0, len(keys), known=False)
             return chosen
-        scores: list[float] = []
+        shares: list[float] = []
         seen: list[tuple[int, bool]] = []
-        for candidate, load in zip(candidates, values, strict=True):
+        for candidate in candidates:
             found = hits.get(candidate)
             hit, blocks, known = found if found is not None else self._hit(candidate, key, keys)
             seen.append((blocks, known))
-            scores.append(hit - (load - min_load) / scale)
+            shares.append(hit)
+        if key.text and not any(blocks for blocks, _known in seen):
+            shares = self._homes(candidates, key.text)
+        scores = [
+            share - (load - min_load) / scale for share, load in zip(shares, values, strict=True)
+        ]
         index = self._pick(scores)
         chosen = candidates[index]
         self._remember(key, chosen)
         blocks, known = seen[index]
-        reason = ("kv_hit" if known else "estimate_hit") if blocks else "miss"
+        if blocks:
+            reason = "kv_hit" if known else "estimate_hit"
+        else:
+            reason = "home" if shares[index] > 0 else "miss"
         self._decided(reason, blocks, len(keys), known=known)
         return chosen
 
@@ -211,6 +235,17 @@ class KvAware:
         if share > lower:
             return share, round(share * len(keys)), False
         return lower, blocks, False
+
+    def _homes(self, candidates: Sequence[Endpoint], text: str) -> list[float]:
+        """On a miss everywhere: the share of the text the estimated tree last sent to one
+        candidate (its *home*; 0 for the others, and for all when the share is not above
+        ``--cache-threshold``), so a prefix whose blocks were evicted is stored again where its
+        group lives and the engines keep holding different groups."""
+        chars, home = self.estimate.tree.match(text, eligible=frozenset(candidates))
+        share = chars / len(text)
+        if home is None or share <= self._settings.cache_threshold:
+            return [0.0] * len(candidates)
+        return [share if c == home else 0.0 for c in candidates]
 
     def _pick(self, scores: list[float]) -> int:
         temperature = self._settings.router_temperature
