@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import AsyncIterator, Callable
 
@@ -132,8 +133,9 @@ async def test_a_lost_batch_inside_the_buffer_is_replayed(
 
 
 async def test_history_beyond_the_buffer_makes_the_engine_unknown(
-    ctx: zmq.Context[zmq.Socket[bytes]],
+    ctx: zmq.Context[zmq.Socket[bytes]], caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="trio_pdrouter.kv_events")
     engine = Engine(ctx, 0, buffer=2)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(serve_replay, engine.router, engine.journal)
@@ -152,6 +154,14 @@ async def test_history_beyond_the_buffer_makes_the_engine_unknown(
         engine.cache.clear()  # AllBlocksCleared: exact again from here
         await until(lambda: feed.known and len(feed.index) == 0)
         nursery.cancel_scope.cancel()
+    changes = [
+        (r.levelname, r.getMessage().removeprefix("kv events: "))
+        for r in caplog.records
+        if r.name == "trio_pdrouter.kv_events" and " is " in r.getMessage()
+    ]
+    # Each change of exactness is logged once: known at start, lost, known again.
+    assert [level for level, _ in changes] == ["INFO", "WARNING", "INFO"], changes
+    assert changes[1][1].startswith("http://e is unknown")
 
 
 async def test_a_restart_clears_the_engine(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:

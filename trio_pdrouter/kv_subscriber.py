@@ -111,6 +111,8 @@ class KvEvents:
             for s in self.sources
         }
         self._wanted = {(s.url, s.rank): trio.Event() for s in self.sources}
+        #: Whether each feed was exact when last looked at, to log each change once.
+        self._known = dict.fromkeys(self.feeds, False)
         #: Counted per source key: malformed frames and events applied.
         self.decode_errors: dict[str, int] = {s.key: 0 for s in self.sources}
         self.events: dict[str, int] = {s.key: 0 for s in self.sources}
@@ -148,8 +150,30 @@ class KvEvents:
             task_status.started()
 
     def _ask(self, source: EventSource, start: int | None) -> None:
+        """After the feed took a batch: wake the replay task if it wants a replay."""
         if start is not None:
             self._wanted[(source.url, source.rank)].set()
+        self._note(source)
+
+    def _note(self, source: EventSource) -> None:
+        """Log when an engine's index becomes exact or stops being so."""
+        key = (source.url, source.rank)
+        feed = self.feeds[key]
+        known = feed.known
+        if known == self._known[key]:
+            return
+        self._known[key] = known
+        if known:
+            log.info("kv events: %s is known (seq %s)", source.key, feed.last_seq)
+        else:
+            log.warning(
+                "kv events: %s is unknown: events were lost (%d gaps, %d replays, %d restarts);"
+                " kv_aware judges it by its estimate until they are complete again",
+                source.key,
+                feed.gaps,
+                feed.replays,
+                feed.restarts,
+            )
 
     async def _live(self, source: EventSource, sub: zmq.Socket[bytes]) -> None:
         feed = self.feeds[(source.url, source.rank)]
@@ -215,6 +239,7 @@ class KvEvents:
                     feed.replay_failed(start, ask=ask)
                 else:
                     feed.replayed(start, batches, ask=ask)
+                self._note(source)
         finally:
             close(dealer)
 
