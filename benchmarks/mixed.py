@@ -7,9 +7,11 @@ SSE event per token at 20 ms + 1 ms per running request.
 
 Workloads, each a closed loop of 64 clients streaming 16-48 tokens:
 
-* ``mixed``: 10 % of prompts ~16k tokens (4 long prefix groups of 64,000 characters), 90 %
+* ``mixed``: 10 % of prompts ~16k tokens (8 long prefix groups of 64,000 characters), 90 %
   ~500 tokens (32 groups of 2,000 characters, 8 hot with 60 % of them), each with a unique
-  160-character question: a rank's cache holds about one long group beside the short ones;
+  160-character question: a rank's cache holds about two long groups beside its short ones, so
+  the 8 fit only when each stays on its home rank, and a long prompt sent elsewhere misses
+  (0.8 s of prefill) and evicts;
 * ``uniform``: the short prompts alone (no regression check).
 
 Routers: trio-pdrouter ``cache_aware`` with ``--load-metric requests``, its defaults (tokens
@@ -50,7 +52,7 @@ SHORT = [
     "--hot-groups", "8", "--cold-groups", "24", "--hot-share", "0.6",
     "--max-tokens-min", "16", "--max-tokens", "48", "--timeout", "300",
 ]  # fmt: skip
-LONG = ["--long-share", "0.1", "--long-groups", "4", "--long-prefix-chars", "64000"]
+LONG = ["--long-share", "0.1", "--long-groups", "8", "--long-prefix-chars", "64000"]
 WORKLOADS = {"mixed": [*SHORT, *LONG], "uniform": SHORT}
 #: (label, router kind, policy flags)
 CONFIGS: list[tuple[str, str, list[str]]] = [
