@@ -150,6 +150,11 @@ class KvAware:
     def _choose(
         self, candidates: Sequence[Endpoint], loads: Mapping[Endpoint, int], key: RoutingKey
     ) -> Endpoint:
+        view = self._view
+        if view is None or key.tokens is None:
+            chosen = self.estimate.choose(candidates, loads, key)
+            self._decided("no_tokens", 0, 0, known=False)
+            return chosen
         s = self._settings
         values = [loads.get(c, 0) for c in candidates]
         max_load, min_load = max(values), min(values)
@@ -161,11 +166,6 @@ class KvAware:
             max_load - min_load > threshold and max_load > min_load * s.balance_rel_threshold
         )
         scale = max(max_load, threshold, 1) if self._by_tokens else threshold + 1
-        view = self._view
-        if view is None or key.tokens is None:
-            chosen = self.estimate.choose(candidates, loads, key)
-            self._decided("no_tokens", 0, 0, known=False)
-            return chosen
         read, self._read = self._read, None
         if read is not None and read[0] is key:
             keys, hits = read[1], read[2]
