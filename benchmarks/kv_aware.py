@@ -21,17 +21,26 @@ those is compared. Then, idle: ``/debug/kv-index`` block counts against ``/sim/k
 vllm-router 0.1.17's own ``kv_aware`` needs ``sha256_cbor`` engine hashes with
 ``PYTHONHASHSEED=0``, which the simulator does not mimic: it is compared as ``cache_aware``.
 
-``python -m benchmarks --only kv_aware``
+Last (first in the run, on simulators of their own), the tokenizer rows: ``kv_aware`` asking an
+engine's ``/tokenize`` per request against tokenizing in the router (``--kv-tokenizer-path``),
+with 64 clients and with one (see :func:`_tokenizer_rows`).
+
+``python -m benchmarks --only kv_aware`` (``BENCH_KV_PARTS=main`` or ``tokenizer``: one part only)
 """
 
 from __future__ import annotations
 
+import os
 import random
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
 
+from trio_pdrouter_sim.tokenizer_files import write_model_dir
+
 from .common import Context, percentile
+from .loadgen import prompt_text
 from .procs import LoadRun, ProcessSet, Service, start_router, start_sim
 
 PROFILES = {"quick": {"seconds": 12, "repeats": 1}, "full": {"seconds": 40, "repeats": 2}}
@@ -44,15 +53,21 @@ LOAD = [
 ]  # fmt: skip
 
 
+#: One client's load for the tokenizer rows: a single group, so all but the first prompt hit.
+ONE_HOT_GROUP = [
+    "--hot-groups", "1", "--cold-groups", "0", "--max-tokens", "1", "--max-tokens-min", "1",
+]  # fmt: skip
+
+
 def estimate(profile: str) -> float:
     p = PROFILES[profile]
     return float(p["repeats"] * 8 * (p["seconds"] + 8) + 60)
 
 
-def _prefill_flags() -> list[str]:
+def _prefill_flags(cache_blocks: int = 190, per_token_s: float = 0.0001) -> list[str]:
     return [
         "--role", "prefill", "--fast", "--max-num-seqs", "1", "--prefill-base-s", "0.005",
-        "--prefill-per-token-s", "0.0001", "--prefix-cache-blocks", "190",
+        "--prefill-per-token-s", str(per_token_s), "--prefix-cache-blocks", str(cache_blocks),
         "--kv-events-port", "0", "--kv-replay-port", "0",
     ]  # fmt: skip
 
@@ -92,11 +107,15 @@ def _one(
     policy: str,
     replicas: int,
     workers: int = 1,
+    *,
+    extra: Sequence[str] = (),
+    clients: int = CLIENTS,
+    load: Sequence[str] = (),
 ) -> dict[str, Any]:
     prefill, decode = sims
     for sim in [*prefill, decode]:
         client.post(sim.url + "/sim/reset", json={"prefix_cache": True})
-    flags = _router_flags(kind, policy, prefill, decode)
+    flags = [*_router_flags(kind, policy, prefill, decode), *extra]
     if policy == "kv_aware":
         flags += _sources(client, prefill)
     if workers > 1:
@@ -108,8 +127,8 @@ def _one(
             LoadRun(
                 procs,
                 f"load-{kind}-{policy}-{replicas}-{i}",
-                ["--url", r.url, "--seconds", seconds, *LOAD],
-                concurrency=CLIENTS // replicas,
+                ["--url", r.url, "--seconds", seconds, *LOAD, *load],
+                concurrency=clients // replicas,
                 watch=None,
             )
             for i, r in enumerate(routers)
@@ -126,6 +145,8 @@ def _one(
         "policy": policy,
         "replicas": replicas,
         "workers": workers,
+        "clients": clients,
+        "extra": list(extra),
         "hit_rate": hits / queries if queries else 0.0,
         "ttfb_p50_ms": percentile(ttfb, 0.5) * 1000,
         "ttfb_p99_ms": percentile(ttfb, 0.99) * 1000,
@@ -198,8 +219,58 @@ def _idle_check(
     }
 
 
+def _tokenizer_rows(ctx: Context, procs: ProcessSet, client: httpx.Client) -> list[dict[str, Any]]:
+    """kv_aware tokenizing through an engine's ``/tokenize`` against ``--kv-tokenizer-path``.
+
+    Simulators that encode with a real (byte-level BPE) tokenizer trained on the workload's
+    text, ~5.2 characters a token, so their prefix cache and prefill cost are scaled to keep
+    the pressure of the rows above (146 blocks, 0.13 ms a token). cache_aware is the reference;
+    each configuration runs with 64 clients (one router, then two replicas for cache_aware and
+    the local tokenizer), then with one client sending one group's prompts
+    and asking for one token (every request after the first a hit: the latency that getting the
+    tokens adds, over ~100 requests).
+    """
+    corpus = [prompt_text(random.Random(1000 + g), 2000, f"[group {g}] ") for g in range(32)]
+    model = write_model_dir(procs.log_dir / "model", corpus, vocab_size=400)
+    tokenizer = ["--tokenizer", str(model / "tokenizer.json")]
+    prefill_flags = _prefill_flags(cache_blocks=146, per_token_s=0.00013)
+    prefill = [start_sim(procs, f"tok-prefill-{i}", *prefill_flags, *tokenizer) for i in range(2)]
+    decode = start_sim(
+        procs, "tok-decode", "--role", "decode", "--fast", "--itl-base-s", "0.02", *tokenizer
+    )
+    sims = (prefill, decode)
+    local = ["--kv-tokenizer-path", str(model)]
+    # (clients, replicas, load): loaded with one router and two, then one client's latency.
+    plans = [(CLIENTS, 1, []), (CLIENTS, 2, []), (1, 1, ONE_HOT_GROUP)]
+    variants = [("cache_aware", "estimate", []), ("kv_aware", "local tokenizer", local)]
+    rows = []
+    try:
+        for clients, replicas, load in plans:
+            each = variants if replicas > 1 else [*variants, ("kv_aware", "engine /tokenize", [])]
+            for policy, tokens, extra in each:
+                ctx.progress.phase(f"tokenizer: {policy}, {tokens}, {clients} clients x{replicas}")
+                row = _one(
+                    ctx,
+                    procs,
+                    client,
+                    sims,
+                    "ours",
+                    policy,
+                    replicas,
+                    extra=extra,
+                    clients=clients,
+                    load=load,
+                )
+                rows.append({**row, "tokens": tokens})
+    finally:
+        for sim in [*prefill, decode]:
+            procs.stop(sim)
+    return rows
+
+
 def run(ctx: Context) -> dict[str, Any]:
     p = PROFILES[ctx.profile]
+    parts = os.environ.get("BENCH_KV_PARTS", "main,tokenizer").split(",")
     procs = ProcessSet(ctx.log_dir / "kv_aware")
     client = httpx.Client(timeout=10.0)
     result: dict[str, Any] = {"scenario": "kv_aware", "profile": ctx.profile, "notes": []}
@@ -209,6 +280,10 @@ def run(ctx: Context) -> dict[str, Any]:
     else:
         result["notes"].append(ctx.note_vllm_missing())
     try:
+        if "tokenizer" in parts:
+            result["tokenizer"] = _tokenizer_rows(ctx, procs, client)
+        if "main" not in parts:
+            return result
         ctx.progress.phase("starting simulators")
         prefill = [start_sim(procs, f"sim-prefill-{i}", *_prefill_flags()) for i in range(2)]
         decode = start_sim(

@@ -48,12 +48,12 @@ class Workload:
         self.suffix_chars: int = args.suffix_chars
         prefix_chars: int = args.prefix_chars
         self.prefixes = [
-            _text(random.Random(1000 + g), prefix_chars, f"[group {g}] ")
+            prompt_text(random.Random(1000 + g), prefix_chars, f"[group {g}] ")
             for g in range(self.hot + self.cold)
         ]
         self.long_share: float = args.long_share
         self.long_prefixes = [
-            _text(random.Random(5000 + g), args.long_prefix_chars, f"[long {g}] ")
+            prompt_text(random.Random(5000 + g), args.long_prefix_chars, f"[long {g}] ")
             for g in range(args.long_groups)
         ]
         self.counter = 0
@@ -62,20 +62,20 @@ class Workload:
         self.counter += 1
         if self.long_prefixes and self.rng.random() < self.long_share:
             long_prefix = self.rng.choice(self.long_prefixes)
-            return long_prefix + _text(self.rng, self.suffix_chars, f" q{self.counter} ")
+            return long_prefix + prompt_text(self.rng, self.suffix_chars, f" q{self.counter} ")
         if not self.prefixes:
-            return _text(self.rng, self.suffix_chars, f"q{self.counter} ")
+            return prompt_text(self.rng, self.suffix_chars, f"q{self.counter} ")
         if self.cold == 0 or (self.hot and self.rng.random() < self.hot_share):
             group = self.rng.randrange(self.hot) if self.hot else 0
         else:
             group = self.hot + self.rng.randrange(self.cold)
-        return self.prefixes[group] + _text(self.rng, self.suffix_chars, f" q{self.counter} ")
+        return self.prefixes[group] + prompt_text(self.rng, self.suffix_chars, f" q{self.counter} ")
 
     def tokens(self) -> int:
         return self.rng.randint(self.min_tokens, self.max_tokens)
 
 
-def _text(rng: random.Random, chars: int, head: str) -> str:
+def prompt_text(rng: random.Random, chars: int, head: str) -> str:
     words = [head]
     size = len(head)
     while size < chars:

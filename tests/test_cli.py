@@ -2,6 +2,8 @@ import argparse
 import functools
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,6 +12,7 @@ from trio_pdrouter import flags
 from trio_pdrouter.cli import build_parser, parse_config
 from trio_pdrouter.config import RouterConfig
 from trio_pdrouter.endpoints import Role, normalize_url
+from trio_pdrouter_sim.tokenizer_files import write_model_dir
 
 SEED = (
     "--vllm-pd-disaggregation --host 0.0.0.0 --port 29100 --policy cache_aware"
@@ -167,6 +170,8 @@ SAMPLES = {
     "URL=ENDPOINT[,ENDPOINT...]": "http://sample:9=tcp://sample:5557",
     "REDIS_URL": "redis://sample:6379/0",
     "ID": "replica-sample",
+    # a real model directory: the flag loads it
+    "TOKENIZER_PATH": str(write_model_dir(Path(tempfile.mkdtemp()) / "m", ["a b"], vocab_size=260)),
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -15,6 +16,7 @@ from trio_pdrouter.config import RouterConfig, ServerSettings
 from trio_pdrouter.kv_sources import KvEventSettings
 from trio_pdrouter.server import RunningRouter, run_router
 from trio_pdrouter_sim import SimConfig, SimServer
+from trio_pdrouter_sim.tokenizer_files import write_model_dir
 
 from .cluster import eventually
 
@@ -35,9 +37,9 @@ class Rig:
 
 
 @asynccontextmanager
-async def rig(n: int = 2, **router: Any) -> AsyncIterator[Rig]:
+async def rig(n: int = 2, sim: SimConfig = SIM, **router: Any) -> AsyncIterator[Rig]:
     async with trio.open_nursery() as nursery:
-        sims = [SimServer(SIM) for _ in range(n)]
+        sims = [SimServer(sim) for _ in range(n)]
         for sim in sims:
             await nursery.start(sim.run)
         sources, replays = [], []
@@ -50,7 +52,10 @@ async def rig(n: int = 2, **router: Any) -> AsyncIterator[Rig]:
             server=ServerSettings(host="127.0.0.1", port=0),
             policy="kv_aware",
             kv_events=KvEventSettings(
-                sources=tuple(sources), replay_sources=tuple(replays), block_size=16
+                sources=tuple(sources),
+                replay_sources=tuple(replays),
+                block_size=16,
+                tokenizer_path=router.pop("tokenizer_path", None),
             ),
             **router,
         )
@@ -90,6 +95,32 @@ async def test_text_and_chat_prompts_follow_the_engine_that_holds_them() -> None
         metrics = (await r.client.get(r.router.url + "/metrics")).text
         hits = [line for line in metrics.splitlines() if 'reason="kv_hit"' in line]
         assert hits and float(hits[0].rsplit(" ", 1)[1]) >= 10  # credited from the events
+
+
+async def test_a_local_tokenizer_credits_text_and_chat_without_tokenize_calls(
+    tmp_path: Path,
+) -> None:
+    model = write_model_dir(tmp_path / "model", [DOC, "q0 q1 q2 q3 first last"])
+    sim = attrs.evolve(SIM, tokenizer=str(model / "tokenizer.json"))
+    async with rig(sim=sim, tokenizer_path=str(model)) as r:
+        await eventually(lambda: _all_known(r))
+        first = await served_by(r, "/v1/completions", {"prompt": DOC + "first"})
+        await eventually(lambda: _blocks_somewhere(r))
+        for i in range(4):
+            assert await served_by(r, "/v1/completions", {"prompt": DOC + f"q{i}"}) == first
+        resp = await r.client.post(
+            r.router.url + "/v1/completions", json={"prompt": DOC + "last", "max_tokens": 1}
+        )
+        matched, total = resp.headers["x-trio-pdrouter-kv"].removesuffix(";known").split("/")
+        assert int(total) > 0 and int(matched) >= int(total) - 1
+        chat_first = await served_by(r, "/v1/chat/completions", {"messages": CHAT})
+        await eventually(lambda: _blocks_somewhere(r))
+        for i in range(3):
+            again = [*CHAT[:1], {"role": "user", "content": f"q{i}"}]
+            assert await served_by(r, "/v1/chat/completions", {"messages": again}) == chat_first
+        for s in r.sims:
+            stats = (await r.client.get(s.url + "/sim/stats")).json()
+            assert stats["received"].get("/tokenize", 0) == 0
 
 
 async def test_token_id_prompts_need_no_tokenize_call() -> None:

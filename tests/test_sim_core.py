@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
+from tokenizers import Tokenizer
 
 from trio_pdrouter_sim import shapes
 from trio_pdrouter_sim.cli import build_parser, config_from_args
@@ -14,6 +16,8 @@ from trio_pdrouter_sim.config import SimConfig
 from trio_pdrouter_sim.engine import Engine, PrefixCache, block_hashes
 from trio_pdrouter_sim.faults import Fault, FaultBook, parse_faults, plan_for
 from trio_pdrouter_sim.requests import BadRequest, parse_request
+from trio_pdrouter_sim.text_tokens import TextTokens
+from trio_pdrouter_sim.tokenizer_files import write_model_dir
 
 
 def test_parse_faults_all_kinds() -> None:
@@ -128,7 +132,7 @@ def _parse(kind: str, body: object) -> object:
         kind,  # type: ignore[arg-type]
         body,
         served_model="m",
-        chars_per_token=4,
+        text=TextTokens(4),
         max_model_len=1000,
     )
 
@@ -278,3 +282,31 @@ async def test_timing_model_slows_busy_engines() -> None:
     assert engine.prefill_seconds(1000) > engine.prefill_seconds(10)
     # A 100-token stream on an idle engine with default settings: about 0.5-1 s.
     assert 0.5 <= engine.prefill_seconds(100) + 100 * idle <= 1.0
+
+
+def test_a_tokenizer_file_gives_prompts_its_tokens(tmp_path: Path) -> None:
+    model = write_model_dir(tmp_path / "m", ["routing and caching " * 8], vocab_size=300)
+    cfg = config_from_args(["--tokenizer", str(model / "tokenizer.json")])
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    text = "routing and caching"
+    req = parse_request(
+        "completions",
+        {"prompt": text},
+        served_model=cfg.model,
+        text=cfg.text_tokens,
+        max_model_len=99,
+    )
+    assert req.prompt.ids == tuple(tokenizer.encode(text).ids)  # with its BOS
+    assert "".join(req.prompt.tokens) == text  # echo gives the text back
+    chat = parse_request(
+        "chat",
+        {"messages": [{"role": "user", "content": text}]},
+        served_model=cfg.model,
+        text=cfg.text_tokens,
+        max_model_len=99,
+    )
+    rendered = f"<|user|>\n{text}\n<|assistant|>\n"
+    assert chat.prompt.ids == tuple(tokenizer.encode(rendered, add_special_tokens=False).ids)
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(SystemExit):
+        config_from_args(["--tokenizer", str(tmp_path / "bad.json")])

@@ -26,6 +26,7 @@ from .endpoints import Endpoint, normalize_url
 from .flags import ConfigError, Flag, Group, positive, setting
 from .kv_fanout import relayed
 from .kv_subscriber import BIND, EventSource, KvEvents
+from .local_tokenizer import LocalTokenizer, TokenizerFilesError
 from .policies import PolicySettings
 
 __all__ = [
@@ -53,6 +54,14 @@ def _sources(spelling: str, help: str) -> tuple[str, ...]:
             parse=_tuple,
         ),
     )
+
+
+def _loadable(instance: object, field: attrs.Attribute[str | None], value: str | None) -> None:
+    if value is not None:
+        try:
+            LocalTokenizer.load(value)
+        except TokenizerFilesError as exc:
+            raise ConfigError(f"--kv-tokenizer-path {exc}") from None
 
 
 @attrs.frozen
@@ -104,6 +113,20 @@ class KvEventSettings:
             type=int,
         ),
         check=positive,
+    )
+
+    tokenizer_path: str | None = setting(
+        None,
+        Flag(
+            "--kv-tokenizer-path",
+            Group.ROUTING_POLICY,
+            "kv_aware: tokenize prompts in the router with the engines' tokenizer (a"
+            " tokenizer.json, or a model directory with tokenizer.json and tokenizer_config.json"
+            " for the chat template) instead of asking an engine's /tokenize per request; it"
+            " must be the tokenizer the engines use",
+            metavar="TOKENIZER_PATH",
+        ),
+        check=_loadable,
     )
 
     @property

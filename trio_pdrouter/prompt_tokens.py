@@ -9,6 +9,8 @@ The rules:
 
 * One call per request, to one healthy server of the stage that routes on tokens, taken in
   turn; only while a ``kv_aware`` stage exists (the caller decides).
+* With a :class:`~.local_tokenizer.LocalTokenizer` (``--kv-tokenizer-path``) the router
+  tokenizes itself, and asks an engine only for what that declines.
 * Answers are cached (``cache_size`` prompts, least recently used dropped first), keyed by the
   exact JSON sent, so a repeated prompt costs no call.
 * Any failure (no healthy server, an error status, a timeout, a malformed answer) leaves the
@@ -36,6 +38,7 @@ import httpx
 import orjson
 import trio
 
+from .local_tokenizer import LocalTokenizer
 from .policies import RoutingKey
 from .upstream import read_capped
 
@@ -91,8 +94,10 @@ class PromptTokens:
         timeout_s: float = 2.0,
         cache_size: int = 4096,
         api_key: str | None = None,
+        local: LocalTokenizer | None = None,
     ) -> None:
         self._client = client
+        self._local = local
         self._servers = servers
         self._timeout_s = timeout_s
         self._cache: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
@@ -114,7 +119,9 @@ class PromptTokens:
         if cached is not None:
             self._cache.move_to_end(raw)
             return attrs.evolve(key, tokens=cached, prompt_tokens=len(cached))
-        tokens = await self._ask(raw)
+        tokens = await self._local.ids(request) if self._local is not None else None
+        if tokens is None:
+            tokens = await self._ask(raw)
         if tokens is None:
             return key
         self._cache[raw] = tokens
@@ -125,7 +132,11 @@ class PromptTokens:
 
     async def count(self, request: Mapping[str, object]) -> int | None:
         """The engine's token count for a ``/tokenize`` body (:func:`tokenize_request`), None
-        on any failure (see the module doc)."""
+        on any failure (see the module doc); counted here with a local tokenizer that takes it."""
+        if self._local is not None:
+            tokens = await self._local.ids(request)
+            if tokens is not None:
+                return len(tokens)
         return await self._post(_json_in_slices(request), _read_count)
 
     async def _ask(self, raw: bytes) -> tuple[int, ...] | None:

@@ -38,6 +38,7 @@ from .kv_metrics import KvCollector
 from .kv_sources import kv_events_for
 from .legs import BufferedDecode, PrefillLeg
 from .load import LoadLedger
+from .local_tokenizer import LocalTokenizer
 from .machine_health import PROBER_ROW, MachineVerdicts
 from .machine_ledger import MachineLedger
 from .metrics import MetricsApp, RouterMetrics
@@ -233,11 +234,14 @@ def build_app(
         truth = EngineTruth(
             fleet.endpoints, ledger, client, config.engine_metrics_interval, metrics, peers
         )
-    tokens = None  # kv_aware routes on token ids: an engine tokenizes text and chat
+    # kv_aware routes on token ids: the router (--kv-tokenizer-path) or an engine tokenizes
+    path = config.kv_events.tokenizer_path
+    local = LocalTokenizer.load(path) if path is not None else None
+    tokens = None
     kv_roles = [role for role in config.servers() if config.stage_policy(role) == "kv_aware"]
     if kv_roles:
         at = lambda: sorted({ep.url for ep in routing.candidates(kv_roles[0])})  # noqa: E731
-        tokens = PromptTokens(client, at, api_key=config.upstream_api_key)
+        tokens = PromptTokens(client, at, api_key=config.upstream_api_key, local=local)
     generating = Role.DECODE if config.pd else Role.REGULAR
 
     def serving() -> set[str]:
@@ -246,7 +250,7 @@ def build_app(
     context = None
     if config.check_context_length:
         counter = tokens or PromptTokens(
-            client, lambda: sorted(serving()), api_key=config.upstream_api_key
+            client, lambda: sorted(serving()), api_key=config.upstream_api_key, local=local
         )
         context = ContextCheck(limits, serving, counter)
     return RouterApp(

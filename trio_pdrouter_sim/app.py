@@ -446,7 +446,7 @@ class SimApp:
 
     async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
         cfg = self.state.config
-        tokens = tokenize(await self._json_body(receive), cfg.chars_per_token)
+        tokens = tokenize(await self._json_body(receive), cfg.text_tokens)
         await _send_json(
             send, 200, {"count": len(tokens), "max_model_len": cfg.max_model_len, "tokens": tokens}
         )
@@ -533,7 +533,7 @@ class SimApp:
             kind,
             body,
             served_model=cfg.model,
-            chars_per_token=cfg.chars_per_token,
+            text=cfg.text_tokens,
             max_model_len=cfg.max_model_len,
         )
         engine = self._engine_for(scope)

@@ -129,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"characters per prompt token (default {d.chars_per_token})",
     )
     p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="a Hugging Face tokenizer.json to encode prompts with, as an engine does (default:"
+        " --chars-per-token pieces)",
+    )
+    p.add_argument(
         "--kv-timeout",
         dest="kv_timeout_s",
         type=float,
@@ -258,9 +265,14 @@ def config_from_args(argv: Sequence[str] | None = None) -> SimConfig:
             if not any(arg == flag or arg.startswith(flag + "=") for arg in given):
                 values[field] = 0.0
     try:
-        return SimConfig(**values)
+        config = SimConfig(**values)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
+    try:
+        config.text_tokens  # noqa: B018 - read the tokenizer file now, not at the first request
+    except Exception as exc:  # tokenizers raises plain Exceptions for a bad file
+        parser.error(f"--tokenizer {config.tokenizer}: {exc}")
+    return config
     raise AssertionError("unreachable")
 
 

@@ -12,6 +12,8 @@ from typing import Literal
 
 import attrs
 
+from .text_tokens import TextTokens, text_tokens
+
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 
@@ -49,7 +51,8 @@ class SimConfig:
     * every generated token takes ``itl_base_s + itl_per_running_s * running`` seconds, so a
       busy engine really is slower.
 
-    Prompt length in tokens is approximated as ``ceil(characters / chars_per_token)``.
+    Prompt length in tokens is approximated as ``ceil(characters / chars_per_token)``, or
+    given by ``tokenizer`` (:mod:`.text_tokens`).
     """
 
     host: str = "127.0.0.1"
@@ -67,6 +70,8 @@ class SimConfig:
     prefix_cache_blocks: int = attrs.field(default=8192, validator=_positive)
     num_gpu_blocks: int = attrs.field(default=16384, validator=_positive)
     chars_per_token: int = attrs.field(default=4, validator=_positive)
+    #: A Hugging Face tokenizer.json to encode prompts with (else chars_per_token pieces).
+    tokenizer: str | None = None
     kv_timeout_s: float = attrs.field(default=30.0, validator=_non_negative)
     kv_pull_timeout_s: float = attrs.field(default=5.0, validator=_non_negative)
     stop_rate: float = attrs.field(default=0.0, validator=_probability)
@@ -91,6 +96,11 @@ class SimConfig:
     )
     kv_events_buffer: int = attrs.field(default=10_000, validator=_positive)
     kv_events_join_delay_s: float = attrs.field(default=0.0, validator=_non_negative)
+
+    @property
+    def text_tokens(self) -> TextTokens:
+        """How prompt text becomes tokens (the tokenizer file read once per process)."""
+        return text_tokens(self.chars_per_token, self.tokenizer)
 
     @classmethod
     def fast(cls, **overrides: object) -> SimConfig:

@@ -6,7 +6,8 @@ from typing import Any, Literal
 
 import attrs
 
-from .shapes import Prompt, prompt_from_ids, prompt_from_text
+from .shapes import Prompt, prompt_from_ids
+from .text_tokens import TextTokens
 
 Kind = Literal["completions", "chat", "responses"]
 
@@ -113,13 +114,13 @@ def _responses_text(given: Any, instructions: Any) -> str:
     return _chat_text(messages)
 
 
-def _completion_prompt(prompt: Any, chars_per_token: int) -> Prompt:
+def _completion_prompt(prompt: Any, text: TextTokens) -> Prompt:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("Prompt cannot be empty", param="prompt")
-        return prompt_from_text(prompt, chars_per_token)
+        return text.prompt(prompt, special=True)
     if (
         isinstance(prompt, list)
         and prompt
@@ -174,7 +175,7 @@ def _kv(body: dict[str, Any]) -> tuple[bool, RemotePrefill | None, bool]:
 
 
 def parse_request(
-    kind: Kind, body: Any, *, served_model: str, chars_per_token: int, max_model_len: int
+    kind: Kind, body: Any, *, served_model: str, text: TextTokens, max_model_len: int
 ) -> GenRequest:
     """Validate a decoded JSON body as vLLM would. Raises :class:`BadRequest`."""
     if not isinstance(body, dict):
@@ -185,12 +186,12 @@ def parse_request(
     if kind == "completions":
         if "prompt" not in body:
             raise BadRequest("prompt: Field required", param="prompt")
-        prompt = _completion_prompt(body["prompt"], chars_per_token)
+        prompt = _completion_prompt(body["prompt"], text)
     elif kind == "responses":
-        text = _responses_text(body.get("input"), body.get("instructions"))
-        prompt = prompt_from_text(text, chars_per_token)
+        chat = _responses_text(body.get("input"), body.get("instructions"))
+        prompt = text.prompt(chat, special=False)
     else:
-        prompt = prompt_from_text(_chat_text(body.get("messages")), chars_per_token)
+        prompt = text.prompt(_chat_text(body.get("messages")), special=False)
 
     n = _int_or_none(body, "n")
     if n is not None and n != 1:
@@ -292,13 +293,13 @@ def parse_request(
     )
 
 
-def tokenize(body: Any, chars_per_token: int) -> list[int]:
+def tokenize(body: Any, text: TextTokens) -> list[int]:
     """``POST /tokenize``: the token ids a completion ``prompt`` or chat ``messages`` become,
     the same ids the engine caches (and publishes in its KV events) for that request."""
     if not isinstance(body, dict):
         raise BadRequest("Request body must be a JSON object")
     if "messages" in body:
-        return list(prompt_from_text(_chat_text(body["messages"]), chars_per_token).ids)
+        return list(text.prompt(_chat_text(body["messages"]), special=False).ids)
     if "prompt" in body:
-        return list(_completion_prompt(body["prompt"], chars_per_token).ids)
+        return list(_completion_prompt(body["prompt"], text).ids)
     raise BadRequest("prompt or messages: Field required", param="prompt")
