@@ -226,9 +226,8 @@ def _tokenizer_rows(ctx: Context, procs: ProcessSet, client: httpx.Client) -> li
     text, ~5.2 characters a token, so their prefix cache and prefill cost are scaled to keep
     the pressure of the rows above (146 blocks, 0.13 ms a token). cache_aware is the reference;
     each configuration runs with 64 clients (one router, then two replicas for cache_aware and
-    the local tokenizer), then with one client sending one group's prompts
-    and asking for one token (every request after the first a hit: the latency that getting the
-    tokens adds, over ~100 requests).
+    the local tokenizer), then with one client sending one group's prompts and asking for one
+    token (every request after the first a hit: the latency that getting the tokens adds).
     """
     corpus = [prompt_text(random.Random(1000 + g), 2000, f"[group {g}] ") for g in range(32)]
     model = write_model_dir(procs.log_dir / "model", corpus, vocab_size=400)

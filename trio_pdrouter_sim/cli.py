@@ -273,7 +273,6 @@ def config_from_args(argv: Sequence[str] | None = None) -> SimConfig:
     except Exception as exc:  # tokenizers raises plain Exceptions for a bad file
         parser.error(f"--tokenizer {config.tokenizer}: {exc}")
     return config
-    raise AssertionError("unreachable")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -3,7 +3,7 @@
 By default a token is ``chars_per_token`` characters of text (an id from their hash), which is
 enough for prefix caching and KV events. With ``--tokenizer PATH`` (a Hugging Face
 ``tokenizer.json``) the simulator encodes as a real engine would: a completion's text with the
-tokenizer's special tokens, a chat's rendered text (:func:`~.requests.chat_text`) without them,
+tokenizer's special tokens, a chat's rendered text (``requests._chat_text``) without them,
 so a router tokenizing with the same file (``--kv-tokenizer-path``) gets the ids the simulator
 caches and publishes.
 """

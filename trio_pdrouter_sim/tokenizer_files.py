@@ -3,7 +3,7 @@
 :func:`write_model_dir` trains a byte-level BPE tokenizer on a corpus (so every text encodes)
 whose post-processor puts ``<s>`` before a completion's tokens, and writes it as
 ``tokenizer.json`` beside a ``tokenizer_config.json`` whose chat template renders messages as
-the simulator does (:func:`~.requests.chat_text`). Tests and benchmarks make one; nothing is
+the simulator does (``requests._chat_text``). Tests and benchmarks make one; nothing is
 downloaded.
 """
 
