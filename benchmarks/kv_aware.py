@@ -25,7 +25,8 @@ Last (first in the run, on simulators of their own), the tokenizer rows: ``kv_aw
 engine's ``/tokenize`` per request against tokenizing in the router (``--kv-tokenizer-path``),
 with 64 clients and with one (see :func:`_tokenizer_rows`).
 
-``python -m benchmarks --only kv_aware`` (``BENCH_KV_PARTS=main`` or ``tokenizer``: one part only)
+``python -m benchmarks --only kv_aware`` (``BENCH_KV_PARTS=main`` or ``tokenizer``: one part only;
+``BENCH_KV_REPEATS=N``: the tokenizer rows N times, interleaved)
 """
 
 from __future__ import annotations
@@ -224,10 +225,11 @@ def _tokenizer_rows(ctx: Context, procs: ProcessSet, client: httpx.Client) -> li
 
     Simulators that encode with a real (byte-level BPE) tokenizer trained on the workload's
     text, ~5.2 characters a token, so their prefix cache and prefill cost are scaled to keep
-    the pressure of the rows above (146 blocks, 0.13 ms a token). cache_aware is the reference;
-    each configuration runs with 64 clients (one router, then two replicas for cache_aware and
-    the local tokenizer), then with one client sending one group's prompts and asking for one
-    token (every request after the first a hit: the latency that getting the tokens adds).
+    the pressure of the rows above (146 blocks, 0.13 ms a token). cache_aware (ours and
+    vllm-router's) is the reference; each configuration runs with 64 clients (one router, then
+    two replicas for cache_aware and the local tokenizer), then with one client sending one
+    group's prompts and asking for one token (every request after the first a hit: the latency
+    that getting the tokens adds).
     """
     corpus = [prompt_text(random.Random(1000 + g), 2000, f"[group {g}] ") for g in range(32)]
     model = write_model_dir(procs.log_dir / "model", corpus, vocab_size=400)
@@ -241,26 +243,37 @@ def _tokenizer_rows(ctx: Context, procs: ProcessSet, client: httpx.Client) -> li
     local = ["--kv-tokenizer-path", str(model)]
     # (clients, replicas, load): loaded with one router and two, then one client's latency.
     plans = [(CLIENTS, 1, []), (CLIENTS, 2, []), (1, 1, ONE_HOT_GROUP)]
-    variants = [("cache_aware", "estimate", []), ("kv_aware", "local tokenizer", local)]
+    variants = [
+        ("ours", "cache_aware", "estimate", []),
+        ("ours", "kv_aware", "local tokenizer", local),
+    ]
+    if ctx.vllm_router:
+        variants.append(("vllm", "cache_aware", "estimate", []))
+    engine = ("ours", "kv_aware", "engine /tokenize", [])
     rows = []
     try:
-        for clients, replicas, load in plans:
-            each = variants if replicas > 1 else [*variants, ("kv_aware", "engine /tokenize", [])]
-            for policy, tokens, extra in each:
-                ctx.progress.phase(f"tokenizer: {policy}, {tokens}, {clients} clients x{replicas}")
-                row = _one(
-                    ctx,
-                    procs,
-                    client,
-                    sims,
-                    "ours",
-                    policy,
-                    replicas,
-                    extra=extra,
-                    clients=clients,
-                    load=load,
-                )
-                rows.append({**row, "tokens": tokens})
+        for rep in range(int(os.environ.get("BENCH_KV_REPEATS", "1"))):
+            for clients, replicas, load in plans:
+                for kind, policy, tokens, extra in (
+                    variants if replicas > 1 else [*variants, engine]
+                ):
+                    ctx.progress.phase(
+                        f"tokenizer: {kind} {policy}, {tokens}, {clients} clients x{replicas}"
+                        f" (run {rep + 1})"
+                    )
+                    row = _one(
+                        ctx,
+                        procs,
+                        client,
+                        sims,
+                        kind,
+                        policy,
+                        replicas,
+                        extra=extra,
+                        clients=clients,
+                        load=load,
+                    )
+                    rows.append({**row, "tokens": tokens, "run": rep + 1})
     finally:
         for sim in [*prefill, decode]:
             procs.stop(sim)
