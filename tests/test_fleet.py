@@ -151,7 +151,7 @@ async def test_remove_after_the_drain_timeout_reports_what_is_still_busy(
 # -- collaborators are given at construction ----------------------------------------------------
 
 #: Parameters that may be left out: values, not collaborators.
-OPTIONAL = {"rng", "release_at_headers", "engine_truth"}
+OPTIONAL = {"rng", "release_at_headers", "engine_truth", "takeover_after"}
 
 
 @pytest.mark.parametrize(

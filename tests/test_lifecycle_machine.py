@@ -726,6 +726,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         # event, a non-streaming request once sent.
         if req.stream and last.sent == 0:
             return KvOwner.PREFILL
+        if req.stream and not req.exchange.draining.is_set() and req.exchange.chunks == 0:
+            # The client holds the head's send, so the request's task has not read the first
+            # event yet (trio_pdrouter.relay: it does once the send returns or a reader takes
+            # over). A real server's head send does not block: the connection's buffer is empty.
+            return None
         return KvOwner.DECODE
 
     @invariant()

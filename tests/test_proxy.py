@@ -8,6 +8,7 @@ import pytest
 import trio
 import trio.testing
 
+from trio_pdrouter.relay import TAKEOVER_AFTER
 from trio_pdrouter.sse import DONE
 
 from .harness import (
@@ -78,6 +79,37 @@ async def test_pd_stream_shapes_both_legs_and_holds_decode_load_until_the_last_b
     assert str(upstream.requests[1].url) == "http://decode:8200/v1/completions"
     assert ex.headers["x-trio-pdrouter-decode"] == "http://decode:8200"
     assert decode_bodies[0].closed
+
+
+async def test_a_client_that_accepts_nothing_holds_decode_load_no_longer_than_the_takeover(
+    background: trio.Nursery, mock_clock: trio.testing.MockClock
+) -> None:
+    """The request's task sends each event itself; once one send has been under way for
+    ``TAKEOVER_AFTER`` a reader of its own drains the engine, so its EOF releases decode load
+    while the client still reads nothing, and the client later gets every byte."""
+    engine = StreamingDecode()
+    app, _ = make_app(pd_config(), engine, background)
+    ex = Exchange()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: call(app, "POST", "/v1/completions", REQUEST, exchange=ex))
+        await ex.started.wait()
+        ex.stop_reading()
+        [body] = engine.bodies
+        for _ in range(4):
+            body.push(EVENT)
+        body.push(DONE)
+        body.end()
+        await trio.testing.wait_all_tasks_blocked()
+        assert not body.read_to_end  # the first event's send is under way and blocks
+        mock_clock.jump(1.5 * TAKEOVER_AFTER)
+        await trio.testing.wait_all_tasks_blocked()
+        read, load, complete = body.read_to_end, total_load(app), ex.complete
+        held = app.metrics.registry.get_sample_value("trio_pdrouter_buffered_bytes")
+        ex.resume_reading()  # before any assert: a client that never reads again hangs the test
+    assert read and load == 0 and not complete
+    assert held == 4 * len(EVENT) + len(DONE)  # the event under way and the queue behind it
+    assert bytes(ex.body) == 4 * EVENT + DONE and ex.complete
+    assert app.metrics.registry.get_sample_value("trio_pdrouter_buffered_bytes") == 0
 
 
 async def test_the_historic_bug_switch_releases_decode_at_headers(background: trio.Nursery) -> None:

@@ -117,6 +117,12 @@ class RelayBuffer:
             self.failure = failure
             self._wakeup.set()
 
+    def passing(self, size: int) -> None:
+        """``size`` bytes go to the client without queueing (the reader sends them itself):
+        they count like taken bytes, until the next ``passing``, ``take`` or ``discard``."""
+        self._budget.total += size - self._taken
+        self._taken = size
+
     async def take(self) -> bytes | None:
         """Everything pending as one ``bytes``, or ``None`` once closed and drained.
 

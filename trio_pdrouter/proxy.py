@@ -9,9 +9,10 @@ Structure (DESIGN "One request = one nursery")::
                 attempt = routing.lease_pd(key)          # chosen and charged, no checkpoint
                 async with attempt.lease:                # releases what is left, on any exit
                     prefill leg                          # prefill released when its body is read
-                    decode leg: the relay's reader task  # decode released at upstream EOF/error,
-                      owns the decode load; the writer   # even if the client stalls
-                      sends to the client
+                    decode leg: the request's task reads # decode released at upstream EOF/error;
+                      and sends each event; a reader     # a client that accepts nothing delays
+                      of its own takes over reading      # that by at most 1.5 x takeover_after
+                      if one send stalls (relay module)
                 retry only if the lifecycle allows it (no byte sent) and the failure is retriable
             reclaim KV blocks no decode took             # once, by the KV owner's state
         nursery.cancel_scope.cancel()                    # stop the watcher *before* the final send

@@ -13,7 +13,7 @@ breakers, the retry loop and the access log always agree; the record is made onc
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import attrs
@@ -120,6 +120,7 @@ class Request:
         "inf",
         "kv_params",
         "life",
+        "on_cancel",
         "prefill_answer",
         "prefill_ms",
         "rejection",
@@ -155,6 +156,10 @@ class Request:
         self.rejection: str | None = None
         #: The request's cancel scope, once it runs (the proxy's shutdown cancels it).
         self.scope: trio.CancelScope | None = None
+        #: Called when the request is ended from outside (:meth:`stalled`, :meth:`shut_down`)
+        #: while a send to the client may hold its task: the relay hands the engine's answer
+        #: to a task the cancellation reaches at once (:mod:`.relay`).
+        self.on_cancel: Callable[[], None] | None = None
 
     # -- the steps, in the order of the lifecycle -------------------------------------------
 
@@ -226,8 +231,7 @@ class Request:
         its connection, which also ends a send blocked on it."""
         if self.life.allows(Event.CLIENT_STALLED):
             self.life.step(Event.CLIENT_STALLED)
-        if self.scope is not None:
-            self.scope.cancel()
+        self._cancel()
         if self.connection is not None:
             self.connection.cut()
 
@@ -239,9 +243,14 @@ class Request:
         if not self.life.allows(Event.SHUT_DOWN) or self.life.client_gone:
             return False
         self.life.step(Event.SHUT_DOWN)
+        self._cancel()
+        return True
+
+    def _cancel(self) -> None:
         if self.scope is not None:
             self.scope.cancel()
-        return True
+        if self.on_cancel is not None:
+            self.on_cancel()
 
     def shutdown_reply(self) -> Reply:
         error = errors.shutting_down()

@@ -202,6 +202,15 @@ def build_app(
     budget = BufferBudget(config.max_total_buffered_bytes)
     metrics.watch_buffers(lambda: budget.total)
     t = config.timeouts
+    relay = DecodeRelay(
+        client,
+        first_byte_limit=t.first_byte_limit,
+        stream_timeout=stream_timeout(t),
+        max_buffered_bytes=config.max_buffered_bytes,
+        budget=budget,
+        release_at_headers=config.release_decode_at_headers,
+    )
+    background.start_soon(relay.watch)
     proxy = Proxy(
         config,
         routing=routing,
@@ -211,14 +220,7 @@ def build_app(
             client, t.prefill_limit, config.upstream_api_key, config.max_upstream_answer_bytes
         ),
         buffered=BufferedDecode(client, t.first_byte_limit, config.max_upstream_answer_bytes),
-        relay=DecodeRelay(
-            client,
-            first_byte_limit=t.first_byte_limit,
-            stream_timeout=stream_timeout(t),
-            max_buffered_bytes=config.max_buffered_bytes,
-            budget=budget,
-            release_at_headers=config.release_decode_at_headers,
-        ),
+        relay=relay,
         reclaimer=KvReclaimer(
             client,
             ledger,
