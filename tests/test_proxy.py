@@ -112,6 +112,31 @@ async def test_a_client_that_accepts_nothing_holds_decode_load_no_longer_than_th
     assert app.metrics.registry.get_sample_value("trio_pdrouter_buffered_bytes") == 0
 
 
+async def test_a_shutdown_while_a_send_holds_the_request_closes_the_engine_at_once(
+    background: trio.Nursery, mock_clock: trio.testing.MockClock
+) -> None:
+    """No time passes, so no sweep runs: ``Request.on_cancel`` hands the answer to a reader
+    whose cancellation closes the engine's response and releases decode load right away."""
+    engine = StreamingDecode()
+    app, _ = make_app(pd_config(), engine, background)
+    ex = Exchange()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: call(app, "POST", "/v1/completions", REQUEST, exchange=ex))
+        await ex.started.wait()
+        ex.stop_reading()
+        [body] = engine.bodies
+        body.push(EVENT)
+        await trio.testing.wait_all_tasks_blocked()
+        held = (body.closed, total_load(app))
+        ended = app.proxy.shut_down()
+        await trio.testing.wait_all_tasks_blocked()
+        closed, load = body.closed, total_load(app)
+        ex.resume_reading()  # before any assert: a client that never reads again hangs the test
+    assert held == (False, 1) and ended == 1
+    assert closed and load == 0
+    assert b"shutting down" in bytes(ex.body) and bytes(ex.body).endswith(DONE)
+
+
 async def test_the_historic_bug_switch_releases_decode_at_headers(background: trio.Nursery) -> None:
     """The test-only switch reproduces the bug, so the assertion above can fail."""
     handler = StreamingDecode()
