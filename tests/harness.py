@@ -18,6 +18,7 @@ import trio
 from trio_pdrouter.app import RouterApp
 from trio_pdrouter.config import RouterConfig
 from trio_pdrouter.server import build_app
+from trio_pdrouter.upstream import LegClient
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 
@@ -220,7 +221,7 @@ def make_app(
     """The app over a scripted upstream; ``background`` runs what outlives a request (pass the
     ``background`` fixture of ``tests/conftest.py``)."""
     upstream = ScriptedUpstream(handler)
-    app = build_app(config, httpx.AsyncClient(transport=upstream), background)
+    app = build_app(config, LegClient(transport=upstream), background)
     return app, upstream
 
 

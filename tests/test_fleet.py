@@ -27,6 +27,7 @@ from trio_pdrouter.relay import DecodeRelay
 from trio_pdrouter.routing import Routing
 from trio_pdrouter.server import build_app
 from trio_pdrouter.stranded import KvReclaimer
+from trio_pdrouter.upstream import LegClient
 
 from .harness import pd_config
 
@@ -165,13 +166,13 @@ def test_request_path_classes_have_no_optional_collaborators(cls: type) -> None:
 
 
 async def test_the_app_cannot_be_built_without_its_background_nursery() -> None:
-    client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(200)))
+    client = LegClient(transport=httpx.MockTransport(lambda r: httpx.Response(200)))
     with pytest.raises(TypeError, match="background"):
         build_app(pd_config(), client)  # type: ignore[call-arg]
 
 
 def test_the_proxy_cannot_be_built_without_a_reclaimer() -> None:
-    client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(200)))
+    client = LegClient(transport=httpx.MockTransport(lambda r: httpx.Response(200)))
     r = rig()
     with pytest.raises(TypeError, match="reclaimer"):
         Proxy(  # type: ignore[call-arg]

@@ -57,7 +57,7 @@ from trio_pdrouter.lifecycle import KvOwner, Phase, successors
 from trio_pdrouter.server import build_app
 from trio_pdrouter.sse import DONE
 from trio_pdrouter.stalls import StallWatch
-from trio_pdrouter.upstream import client_timeout
+from trio_pdrouter.upstream import LegClient, client_timeout
 
 from .harness import KV, Exchange, ScriptedBody, ScriptedUpstream, call
 
@@ -312,7 +312,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.upstream = ScriptedUpstream(self._answer)
         # The same limits trio_pdrouter.upstream.make_client gives the real client.
         timeout = client_timeout(self.config.timeouts)
-        self.client = httpx.AsyncClient(transport=self.upstream, timeout=timeout)
+        self.client = LegClient(transport=self.upstream, timeout=timeout)
         #: The app of the server running now (each start builds one: its background nursery,
         #: where stranded-KV reclaims run, lives as long as that server).
         self.app: RouterApp

@@ -21,7 +21,7 @@ from .endpoints import Endpoint
 from .outcomes import LegFailure
 from .request import Attempt, Request
 from .response_headers import passed_on, with_default
-from .upstream import AnswerTooLarge, post_capped
+from .upstream import AnswerTooLarge, LegClient, post_capped
 
 
 @attrs.frozen
@@ -64,7 +64,7 @@ class PrefillLeg:
     """
 
     def __init__(
-        self, client: httpx.AsyncClient, limit: float, upstream_api_key: str | None, cap: int
+        self, client: LegClient, limit: float, upstream_api_key: str | None, cap: int
     ) -> None:
         self._client = client
         self._limit = limit
@@ -115,7 +115,7 @@ class BufferedDecode:
     merged into the answer (SPEC §6).
     """
 
-    def __init__(self, client: httpx.AsyncClient, limit: float, cap: int) -> None:
+    def __init__(self, client: LegClient, limit: float, cap: int) -> None:
         self._client = client
         self._limit = limit
         #: The largest answer read (``--max-upstream-answer-bytes``).
@@ -151,7 +151,7 @@ class BufferedDecode:
 
 
 async def _post(
-    client: httpx.AsyncClient, call: UpstreamCall, limit: float, cap: int
+    client: LegClient, call: UpstreamCall, limit: float, cap: int
 ) -> httpx.Response | LegFailure:
     """Send ``call`` and read its whole answer, within ``limit`` seconds and ``cap`` bytes.
 

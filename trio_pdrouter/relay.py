@@ -47,7 +47,7 @@ from .request import Attempt, Request
 from .response_headers import passed_on, with_default
 from .sse import EventFramer, EventTooLarge
 from .transport import body_chunks
-from .upstream import AnswerTooLarge, read_capped
+from .upstream import AnswerTooLarge, LegClient, read_capped
 
 
 class IdleDeadline:
@@ -191,7 +191,7 @@ class DecodeRelay:
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        client: LegClient,
         *,
         first_byte_limit: float,
         stream_timeout: httpx.Timeout,
@@ -244,25 +244,21 @@ class DecodeRelay:
         """The stream's tail once it ended, or the :class:`LegFailure` that ended it (see the
         class doc)."""
         ep, stage = call.endpoint, call.stage
-        request = self._client.build_request(
-            "POST",
-            call.url,
-            content=call.content,
-            headers=call.headers,
-            timeout=self._stream_timeout,
-        )
         limit = self._first_byte_limit
         req.decode_sent()
         attempt.lease.sent(ep)
         try:
             with trio.move_on_after(limit) as scope:
-                resp = await self._client.send(request, stream=True)
+                resp = await self._client.open_post(
+                    call.url, call.content, call.headers, self._stream_timeout
+                )
         except httpx.HTTPError as exc:
             attempt.lease.release(ep)
             return req.record_failure(outcomes.transport_failure(stage, ep, exc))
         if scope.cancelled_caught:
             attempt.lease.release(ep)
             return req.record_failure(outcomes.timeout(stage, ep, f"no response in {limit:g}s"))
+        request = resp.request
         buffer = RelayBuffer(self._max_buffered_bytes, self._budget)
         idle = IdleDeadline(self._idle_limit)
         try:

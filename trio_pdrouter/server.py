@@ -10,7 +10,6 @@ from collections.abc import Awaitable, Callable
 from typing import cast
 
 import attrs
-import httpx
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
@@ -54,7 +53,7 @@ from .routing import Routing
 from .stalls import StallWatch
 from .startup import wait_until_healthy
 from .stranded import KvReclaimer
-from .upstream import make_client, stream_timeout
+from .upstream import LegClient, make_client, stream_timeout
 
 log = logging.getLogger("trio_pdrouter.server")
 
@@ -95,7 +94,7 @@ def hypercorn_config(config: RouterConfig) -> HypercornConfig:
 
 def build_app(
     config: RouterConfig,
-    client: httpx.AsyncClient,
+    client: LegClient,
     background: trio.Nursery,
     *,
     ledger: LoadLedger | None = None,
@@ -325,7 +324,7 @@ async def run_router(
 
 async def _run(
     config: RouterConfig,
-    client: httpx.AsyncClient,
+    client: LegClient,
     nursery: trio.Nursery,
     shutdown_trigger: Callable[[], Awaitable[None]] | None,
     exit_by_deadline: bool,

@@ -1,6 +1,13 @@
 """The httpx client every leg uses, over the transport chosen by ``--upstream-transport``, and
 the time limits it applies.
 
+A leg's POST goes straight to the client's transport (:meth:`LegClient.open_post`): httpx's
+``build_request`` and ``send`` do per request what a leg never needs (parse the URL, merge the
+client's default headers and cookies, run the auth and redirect flows, take cookies out of
+every answer, which the next request would then send to every engine, and wrap the body stream
+to time it). The request and the answer are still httpx's types; health probes, ``/v1/models``
+and the rest use httpx's API as it is.
+
 ``h11`` (the default) is :class:`trio_pdrouter.transport.H11Transport`: one HTTP/1.1 pool per
 upstream, and a synchronous socket close on any response not read to a clean end — which is what
 makes vLLM abort the request. ``httpx`` is httpx's stock pool, kept for side-by-side benchmarks.
@@ -12,6 +19,8 @@ deadlines around whole phases (prefill, first byte).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import httpx
 
@@ -31,12 +40,67 @@ def stream_timeout(t: Timeouts) -> httpx.Timeout:
     )
 
 
+#: Distinct upstream URLs whose parsed form :class:`LegClient` keeps (endpoints x paths).
+URLS_KEPT = 4096
+#: httpx's own default limits, for a client built without any.
+DEFAULT_TIMEOUT = httpx.Timeout(5.0)
+
+
+class LegClient(httpx.AsyncClient):
+    """httpx's client, plus :meth:`open_post` for the legs (the module doc)."""
+
+    def __init__(
+        self,
+        *,
+        transport: httpx.AsyncBaseTransport,
+        timeout: httpx.Timeout = DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__(transport=transport, timeout=timeout, follow_redirects=False)
+        self._leg_transport = transport
+        self._leg_timeout = timeout.as_dict()
+        self._leg_urls: dict[str, tuple[httpx.URL, bytes]] = {}
+
+    async def open_post(
+        self,
+        url: str,
+        content: bytes,
+        headers: dict[bytes, bytes],
+        limits: httpx.Timeout | None = None,
+    ) -> httpx.Response:
+        """POST ``content`` to ``url`` with ``headers`` (and ``Host``, ``Content-Length``);
+        returns once the answer's head has arrived. The caller reads its body to the end or
+        closes it. ``limits``: the client's if not given."""
+        target = self._leg_urls.get(url)
+        if target is None:
+            if len(self._leg_urls) >= URLS_KEPT:
+                self._leg_urls.clear()
+            parsed = httpx.URL(url)
+            target = self._leg_urls[url] = (parsed, parsed.netloc)
+        parsed, host = target
+        timeout: dict[str, Any] = self._leg_timeout if limits is None else limits.as_dict()
+        request = httpx.Request(
+            "POST",
+            parsed,
+            headers=[
+                (b"host", host),
+                *headers.items(),
+                (b"content-length", b"%d" % len(content)),
+            ],
+            stream=httpx.ByteStream(content),
+            extensions={"timeout": timeout},
+        )
+        request.read()  # the body is in memory: ``request.content`` works as httpx's does
+        response = await self._leg_transport.handle_async_request(request)
+        response.request = request
+        return response
+
+
 class AnswerTooLarge(Exception):
     """An upstream's answer is larger than the router will hold in memory."""
 
 
 async def post_capped(
-    client: httpx.AsyncClient,
+    client: LegClient,
     url: str,
     *,
     content: bytes,
@@ -48,13 +112,14 @@ async def post_capped(
     Raises :class:`AnswerTooLarge` past the cap (the connection is closed, not drained), or
     what httpx raises. The response returned holds its body.
     """
-    request = client.build_request("POST", url, content=content, headers=headers)
-    resp = await client.send(request, stream=True)
+    resp = await client.open_post(url, content, headers)
     try:
         body = await read_capped(resp, cap)
     finally:
         await resp.aclose()
-    return httpx.Response(resp.status_code, headers=resp.headers, content=body, request=request)
+    return httpx.Response(
+        resp.status_code, headers=resp.headers, content=body, request=resp.request
+    )
 
 
 async def read_capped(resp: httpx.Response, cap: int) -> bytes:
@@ -73,7 +138,7 @@ async def read_capped(resp: httpx.Response, cap: int) -> bytes:
     return b"".join(chunks)
 
 
-def make_client(config: RouterConfig) -> httpx.AsyncClient:
+def make_client(config: RouterConfig) -> LegClient:
     transport: httpx.AsyncBaseTransport
     if config.transport == "h11":
         transport = H11Transport()
@@ -81,6 +146,4 @@ def make_client(config: RouterConfig) -> httpx.AsyncClient:
         transport = httpx.AsyncHTTPTransport(
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=512)
         )
-    return httpx.AsyncClient(
-        transport=transport, timeout=client_timeout(config.timeouts), follow_redirects=False
-    )
+    return LegClient(transport=transport, timeout=client_timeout(config.timeouts))
