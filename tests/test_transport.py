@@ -549,9 +549,14 @@ def truncating_server(raw: bytes, *, reset: bool = False) -> Handler:
     ],
     ids=["content-length", "chunked-between-chunks", "chunked-mid-chunk"],
 )
-async def test_truncated_body_raises(raw: bytes) -> None:
+# read=None: a stream's reads, which take a shorter path through the connection.
+@pytest.mark.parametrize("read", [5.0, None], ids=["read-limit", "no-read-limit"])
+async def test_truncated_body_raises(raw: bytes, read: float | None) -> None:
     transport = H11Transport()
-    async with serve(truncating_server(raw)) as server, client_for(transport) as client:
+    async with (
+        serve(truncating_server(raw)) as server,
+        client_for(transport, read=read) as client,
+    ):
         with pytest.raises(httpx.RemoteProtocolError):
             await client.get(server.url)
         assert open_count(transport, server) == 0
@@ -593,10 +598,21 @@ async def test_chunked_body_end_decides_whether_the_connection_is_kept(
         assert open_count(transport, server) == (1 if kept else 0)
 
 
-async def test_reset_mid_body_raises() -> None:
-    raw = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly ten b"
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly ten b",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10\r\nhel",
+    ],
+    ids=["content-length", "chunked"],
+)
+@pytest.mark.parametrize("read", [5.0, None], ids=["read-limit", "no-read-limit"])
+async def test_reset_mid_body_raises(raw: bytes, read: float | None) -> None:
     transport = H11Transport()
-    async with serve(truncating_server(raw, reset=True)) as server, client_for(transport) as client:
+    async with (
+        serve(truncating_server(raw, reset=True)) as server,
+        client_for(transport, read=read) as client,
+    ):
         with pytest.raises((httpx.ReadError, httpx.RemoteProtocolError)):
             await client.get(server.url)
         assert open_count(transport, server) == 0

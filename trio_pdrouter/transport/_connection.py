@@ -264,7 +264,15 @@ class H11Connection:
                     return out
             if body.done:
                 return None
-            data = await self._read(read_timeout, request)
+            if read_timeout is None:
+                # A stream's read, once per token-paced event: straight to the trio socket
+                # (`SocketStream.receive_some` adds a generator-based context manager per call).
+                try:
+                    data = await self._stream.socket.recv(RECEIVE_SIZE)
+                except _IO_ERRORS as exc:
+                    raise httpx.ReadError(f"read failed: {exc!r}", request=request) from exc
+            else:
+                data = await self._read(read_timeout, request)
             if not data:
                 raise httpx.RemoteProtocolError(
                     "peer closed connection without sending complete message body: "
