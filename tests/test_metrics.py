@@ -104,6 +104,7 @@ def test_in_flight_mirrors_the_ledger_per_endpoint_and_stage() -> None:
     get = m.registry.get_sample_value
 
     def in_flight(ep: Endpoint) -> float | None:
+        m.exposition()  # what a scrape shows: the gauge is read from the ledger then
         return get("trio_pdrouter_in_flight", {"endpoint": ep.key, "stage": ep.role.value})
 
     assert (in_flight(prefill), in_flight(decode)) == (0, 0)
@@ -116,6 +117,9 @@ def test_in_flight_mirrors_the_ledger_per_endpoint_and_stage() -> None:
     ledger.add_endpoint(late)
     with ledger.lease(late):
         assert in_flight(late) == 1
+        ledger.forget_when_idle(late)
+        assert in_flight(late) == 1
+    assert in_flight(late) == 0  # no longer counted by the ledger: shown idle, not stale
 
 
 def test_hooks_for_breakers_health_admission_policies_and_stranded_kv() -> None:

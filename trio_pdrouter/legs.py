@@ -21,7 +21,7 @@ from .endpoints import Endpoint
 from .outcomes import LegFailure
 from .request import Attempt, Request
 from .response_headers import passed_on, with_default
-from .upstream import AnswerTooLarge, LegClient, post_capped
+from .upstream import Answer, AnswerTooLarge, LegClient, post_capped
 
 
 @attrs.frozen
@@ -152,7 +152,7 @@ class BufferedDecode:
 
 async def _post(
     client: LegClient, call: UpstreamCall, limit: float, cap: int
-) -> httpx.Response | LegFailure:
+) -> Answer | LegFailure:
     """Send ``call`` and read its whole answer, within ``limit`` seconds and ``cap`` bytes.
 
     A failure is classified, not recorded: the caller records it once its load is released.
@@ -172,6 +172,8 @@ async def _post(
     return resp
 
 
-def status_failure(stage: str, ep: Endpoint, resp: httpx.Response, body: bytes) -> LegFailure:
+def status_failure(
+    stage: str, ep: Endpoint, resp: httpx.Response | Answer, body: bytes
+) -> LegFailure:
     """The engine answered ``resp.status_code`` (not 200) with ``body``."""
     return outcomes.status(stage, ep, resp.status_code, passed_on(resp.headers), body)

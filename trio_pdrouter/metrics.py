@@ -233,30 +233,22 @@ class RouterMetrics:
     # -- fed by the router itself --------------------------------------------------------------
 
     def watch_ledger(self, ledger: LoadLedger, endpoints: list[Endpoint]) -> None:
-        """Mirror ``ledger`` into ``in_flight``, starting with every endpoint at its load now.
-
-        Every exposition re-reads the ledger too: with ``--workers N`` the other workers'
-        changes notify no observer here, and the gauge must show the machine's load.
-        """
-        children = {}
-        for ep in endpoints:
-            child = self.in_flight.labels(ep.key, ep.role.value)
-            child.set(ledger.load(ep))
-            children[ep] = child
-
-        def changed(endpoint: Endpoint, load: int) -> None:
-            child = children.get(endpoint)
-            if child is None:  # an endpoint added after start
-                child = children[endpoint] = self.in_flight.labels(
-                    endpoint.key, endpoint.role.value
-                )
-            child.set(load)
+        """Mirror ``ledger`` into ``in_flight``: every exposition reads the ledger (with
+        ``--workers N`` the machine's), so a charge or release costs no gauge update. An
+        endpoint the ledger no longer counts shows 0."""
+        shown: set[tuple[str, str]] = {(ep.key, ep.role.value) for ep in endpoints}
 
         def refresh() -> None:
-            for endpoint, child in children.items():
-                child.set(ledger.load(endpoint))
+            now = {
+                (key, role): load
+                for role, loads in ledger.snapshot().items()
+                for key, load in loads.items()
+            }
+            shown.update(now)
+            for labels in shown:
+                self.in_flight.labels(*labels).set(now.get(labels, 0))
 
-        ledger.observe(changed)
+        refresh()
         self._before_exposition.append(refresh)
 
     def observe_request(self, rec: RequestRecord) -> None:

@@ -87,6 +87,11 @@ class Routing:
             for role, policy in policies.items()
             if isinstance(policy, KnowsCachedPrompts)
         }
+        # Decided once: an isinstance check against a runtime-checkable protocol costs more
+        # than the rest of a choice.
+        self._teachers = {
+            role: policy for role, policy in policies.items() if isinstance(policy, Teaches)
+        }
         self._policies = dict(policies)
         self._admits = tuple(admits)
         self._endpoints: dict[Role, tuple[Endpoint, ...]] = {role: () for role in policies}
@@ -186,9 +191,9 @@ class Routing:
         step (as :meth:`kv_note`)."""
         out: dict[Role, Lesson] = {}
         for role in roles:
-            policy = self._policies.get(role)
-            if isinstance(policy, Teaches) and policy.lesson is not None:
-                out[role] = policy.lesson
+            teacher = self._teachers.get(role)
+            if teacher is not None and teacher.lesson is not None:
+                out[role] = teacher.lesson
         return out
 
     def maintain(self) -> bool:

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import httpx
 
 from .config import RouterConfig, Timeouts
-from .transport import H11Transport
+from .transport import H11Transport, body_chunks
 
 
 def client_timeout(t: Timeouts) -> httpx.Timeout:
@@ -99,6 +100,15 @@ class AnswerTooLarge(Exception):
     """An upstream's answer is larger than the router will hold in memory."""
 
 
+@attrs.frozen
+class Answer:
+    """A whole upstream answer: its status, headers and body as sent."""
+
+    status_code: int
+    headers: httpx.Headers
+    content: bytes
+
+
 async def post_capped(
     client: LegClient,
     url: str,
@@ -106,20 +116,18 @@ async def post_capped(
     content: bytes,
     headers: dict[bytes, bytes],
     cap: int,
-) -> httpx.Response:
+) -> Answer:
     """POST and read the whole answer, but never more than ``cap`` bytes of it.
 
     Raises :class:`AnswerTooLarge` past the cap (the connection is closed, not drained), or
-    what httpx raises. The response returned holds its body.
+    what httpx raises.
     """
     resp = await client.open_post(url, content, headers)
     try:
         body = await read_capped(resp, cap)
     finally:
         await resp.aclose()
-    return httpx.Response(
-        resp.status_code, headers=resp.headers, content=body, request=resp.request
-    )
+    return Answer(resp.status_code, resp.headers, body)
 
 
 async def read_capped(resp: httpx.Response, cap: int) -> bytes:
@@ -130,7 +138,7 @@ async def read_capped(resp: httpx.Response, cap: int) -> bytes:
         return resp.content
     chunks: list[bytes] = []
     size = 0
-    async for chunk in resp.aiter_raw():
+    async for chunk in body_chunks(resp):
         size += len(chunk)
         if size > cap:
             raise AnswerTooLarge(f"answer larger than {cap} bytes")
