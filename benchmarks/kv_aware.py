@@ -26,7 +26,8 @@ engine's ``/tokenize`` per request against tokenizing in the router (``--kv-toke
 with 64 clients and with one (see :func:`_tokenizer_rows`).
 
 ``python -m benchmarks --only kv_aware`` (``BENCH_KV_PARTS=main`` or ``tokenizer``: one part only;
-``BENCH_KV_REPEATS=N``: the tokenizer rows N times, interleaved)
+``BENCH_KV_REPEATS=N``: the rows of each part N times, interleaved; the main rows default to
+the profile's repeats, the tokenizer rows to one)
 """
 
 from __future__ import annotations
@@ -310,7 +311,7 @@ def run(ctx: Context) -> dict[str, Any]:
         ctx.progress.phase("idle: index against the simulators")
         result["idle"] = _idle_check(procs, client, sims)
         rows = []
-        for rep in range(p["repeats"]):
+        for rep in range(int(os.environ.get("BENCH_KV_REPEATS", p["repeats"]))):
             for kind, policy in configs:
                 for replicas in (1, 2):
                     ctx.progress.phase(f"{kind} {policy} x{replicas} (run {rep + 1})")
