@@ -113,8 +113,10 @@ class KvAware:
         self._on_decision = on_decision
         self._view = view
         self._sessions = sessions
-        self.estimate = CacheAware(settings, rng, stage=stage, on_decision=lambda _s, _r: None)
-        self._by_tokens = settings.stage_load_metric(stage) == "tokens"
+        self.estimate = CacheAware(
+            settings, rng, stage=stage, on_decision=lambda _s, _r: None, for_policy=self.name
+        )
+        self._by_tokens = settings.stage_load_metric(stage, self.name) == "tokens"
         self.last = KvDecision(0, 0, False, "none")
         #: The hits :meth:`uncached_tokens` read for a key, which the :meth:`choose` that
         #: follows it in the same synchronous step uses instead of reading the index again.
