@@ -22,7 +22,7 @@ Per decision, over the candidates:
   group, and the hit rate fell (README).
 * score = hit - (load - min_load) / scale. Counting requests, scale is
   ``--balance-abs-threshold`` + 1: a load difference as large as the balance threshold costs as
-  much as a whole cached prompt. Counting tokens (``--load-metric``; prefill's default), the
+  much as a whole cached prompt. Counting tokens (``--load-metric tokens``; requests by default), the
   unbalanced test's absolute part is the larger of ``--balance-token-threshold`` and
   :data:`HELD_PROMPTS` times the prompt's tokens (a hit keeps its engine until that engine is
   several prompts' work behind), and scale is the larger of that part and the largest load:
