@@ -22,8 +22,8 @@ Per decision, over the candidates:
   group, and the hit rate fell (README).
 * score = hit - (load - min_load) / scale. Counting requests, scale is
   ``--balance-abs-threshold`` + 1: a load difference as large as the balance threshold costs as
-  much as a whole cached prompt. Counting tokens (``--load-metric tokens``; requests by default), the
-  unbalanced test's absolute part is the larger of ``--balance-token-threshold`` and
+  much as a whole cached prompt (requests are the default). Counting tokens (``--load-metric
+  tokens``), the unbalanced test's absolute part is the larger of ``--balance-token-threshold`` and
   :data:`HELD_PROMPTS` times the prompt's tokens (a hit keeps its engine until that engine is
   several prompts' work behind), and scale is the larger of that part and the largest load:
   a hit's edge fades as its engine's queue nears the point where loads count as unbalanced,
