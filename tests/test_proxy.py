@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import httpx
 import orjson
 import pytest
 import trio
 import trio.testing
 
+from trio_pdrouter.app import RouterApp
 from trio_pdrouter.relay import TAKEOVER_AFTER
 from trio_pdrouter.sse import DONE
 
@@ -17,6 +21,7 @@ from .harness import (
     PREFILL_ANSWER,
     REQUEST,
     Exchange,
+    ScriptedBody,
     StreamingDecode,
     call,
     json_response,
@@ -81,12 +86,12 @@ async def test_pd_stream_shapes_both_legs_and_holds_decode_load_until_the_last_b
     assert decode_bodies[0].closed
 
 
-async def test_a_client_that_accepts_nothing_holds_decode_load_no_longer_than_the_takeover(
-    background: trio.Nursery, mock_clock: trio.testing.MockClock
-) -> None:
-    """The request's task sends each event itself; once one send has been under way for
-    ``TAKEOVER_AFTER`` a reader of its own drains the engine, so its EOF releases decode load
-    while the client still reads nothing, and the client later gets every byte."""
+@contextlib.asynccontextmanager
+async def a_stream_nobody_reads(
+    background: trio.Nursery,
+) -> AsyncIterator[tuple[RouterApp, Exchange, ScriptedBody]]:
+    """A PD stream whose head reached a client that then stopped reading, and the engine's
+    body the test feeds; the request runs until the block ends."""
     engine = StreamingDecode()
     app, _ = make_app(pd_config(), engine, background)
     ex = Exchange()
@@ -95,6 +100,16 @@ async def test_a_client_that_accepts_nothing_holds_decode_load_no_longer_than_th
         await ex.started.wait()
         ex.stop_reading()
         [body] = engine.bodies
+        yield app, ex, body
+
+
+async def test_a_client_that_accepts_nothing_holds_decode_load_no_longer_than_the_takeover(
+    background: trio.Nursery, mock_clock: trio.testing.MockClock
+) -> None:
+    """The request's task sends each event itself; once one send has been under way for
+    ``TAKEOVER_AFTER`` a reader of its own drains the engine, so its EOF releases decode load
+    while the client still reads nothing, and the client later gets every byte."""
+    async with a_stream_nobody_reads(background) as (app, ex, body):
         for _ in range(4):
             body.push(EVENT)
         body.push(DONE)
@@ -117,14 +132,7 @@ async def test_a_shutdown_while_a_send_holds_the_request_closes_the_engine_at_on
 ) -> None:
     """No time passes, so no sweep runs: ``Request.on_cancel`` hands the answer to a reader
     whose cancellation closes the engine's response and releases decode load right away."""
-    engine = StreamingDecode()
-    app, _ = make_app(pd_config(), engine, background)
-    ex = Exchange()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(lambda: call(app, "POST", "/v1/completions", REQUEST, exchange=ex))
-        await ex.started.wait()
-        ex.stop_reading()
-        [body] = engine.bodies
+    async with a_stream_nobody_reads(background) as (app, ex, body):
         body.push(EVENT)
         await trio.testing.wait_all_tasks_blocked()
         held = (body.closed, total_load(app))
