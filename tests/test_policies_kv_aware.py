@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from pathlib import Path
 
 from trio_pdrouter.endpoints import Endpoint, Role
 from trio_pdrouter.kv_index import BlockIndex
 from trio_pdrouter.kv_wire import BlockRemoved, BlockStored
 from trio_pdrouter.load import LoadLedger
+from trio_pdrouter.machine_table import MachineTable
 from trio_pdrouter.policies import PolicySettings, RoutingKey
 from trio_pdrouter.policies.kv_aware import KvAware
+from trio_pdrouter.prefix_ring import PrefixFeed
 from trio_pdrouter.routing import Routing
 
 BS = 4
@@ -216,3 +219,32 @@ def test_temperature_spreads_choices_by_score() -> None:
     soft = make(view, seed=1, router_temperature=0.5)
     counts = Counter(soft.choose(EPS, dict.fromkeys(EPS, 0), KEY) for _ in range(300))
     assert counts[EPS[1]] > counts[EPS[0]] > 0 and counts[EPS[2]] > 0
+
+
+def test_with_workers_a_miss_goes_home_where_another_worker_sent_the_prefix(
+    tmp_path: Path,
+) -> None:
+    """``--workers N``: the estimate behind the home rule learns the other workers' choices
+    (without the machine's prefix feed each worker's home would be its own guess)."""
+    table = MachineTable.create(2, str(tmp_path / "lock"), slots=8)
+    try:
+        view = View()  # known engines holding nothing: every request is a miss everywhere
+        workers = []
+        for row in range(2):
+            policy = KvAware(
+                PolicySettings(balance_abs_threshold=32, load_metric="requests"),
+                random.Random(row),
+                stage="prefill",
+                on_decision=lambda _stage, _reason: None,
+                view=view,
+                feed=PrefixFeed(table.prefixes, table.rows, row, "prefill"),
+            )
+            policy.set_endpoints(EPS)
+            workers.append(policy)
+        first = workers[0].choose(EPS, {EPS[0]: 3, EPS[1]: 0, EPS[2]: 3}, KEY)
+        assert first == EPS[1] and workers[0].last.reason == "miss"
+        even = dict.fromkeys(EPS, 0)
+        assert [workers[1].choose(EPS, even, KEY) for _ in range(5)] == [EPS[1]] * 5
+        assert workers[1].last.reason == "home"
+    finally:
+        table.destroy()

@@ -68,9 +68,10 @@ def make_policy(
     ``stage`` ("prefill", "decode" or "regular") labels the policy's log lines and decisions;
     ``on_decision`` is told ``(stage, reason)`` for every decision of a policy that gives
     reasons (``cache_aware``, ``kv_aware``); ``kv`` is what ``kv_aware`` reads of the KV
-    events (None: it uses its estimate only); ``feed`` shares ``cache_aware``'s prefix-tree
-    inserts with the machine's other workers (``--workers N``); ``rng`` is the only source of
-    randomness (pass a seeded one for reproducible tests).
+    events (None: it uses its estimate only); ``feed`` shares the prefix-tree inserts of
+    ``cache_aware`` (and ``kv_aware``'s estimate) with the machine's other workers
+    (``--workers N``); ``rng`` is the only source of randomness (pass a seeded one for
+    reproducible tests).
     """
     rng = rng or _random.Random()
     policy: Policy
@@ -90,7 +91,13 @@ def make_policy(
         if ttl is not None and stage != "prefill":
             sessions = SessionTable(ttl, trio.current_time)
         policy = KvAware(
-            settings, rng, stage=stage, on_decision=on_decision, view=kv, sessions=sessions
+            settings,
+            rng,
+            stage=stage,
+            on_decision=on_decision,
+            view=kv,
+            sessions=sessions,
+            feed=feed,
         )
     else:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

@@ -118,6 +118,20 @@ class CacheAware:
                 if ep is not None:
                     self.tree.insert(learnt, ep)
 
+    def match(self, text: str, eligible: frozenset[Endpoint]) -> tuple[int, Endpoint | None]:
+        """The tree's longest match of ``text`` among ``eligible`` (``RadixTree.match``), the
+        other workers' inserts applied first."""
+        self._learn()
+        return self.tree.match(text, eligible)
+
+    def remember(self, text: str, chosen: Endpoint) -> tuple[int, int]:
+        """``text`` went to ``chosen``: into the tree, and to the other workers. Returns the
+        tree's mark of the insert (for a :class:`Lesson`)."""
+        mark = self.tree.insert(text, chosen)
+        if self._feed is not None:
+            self._feed.publish(chosen.key, text)
+        return mark
+
     def held_chars(self, candidates: Sequence[Endpoint], text: str) -> dict[Endpoint, int]:
         """How many leading characters of ``text`` each candidate is expected to hold cached."""
         self._learn()
@@ -172,10 +186,8 @@ class CacheAware:
             chosen = least_loaded(candidates, loads, self._rng)
         self.lesson = None
         if text:
-            mark = self.tree.insert(text, chosen)
+            mark = self.remember(text, chosen)
             self.lesson = Lesson(lambda: self._retract(text, chosen, mark))
-            if self._feed is not None:
-                self._feed.publish(chosen.key, text)
         self._on_decision(self._stage, reason)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(

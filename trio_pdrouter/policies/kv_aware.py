@@ -56,7 +56,7 @@ from ..endpoints import Endpoint
 from ..kv_index import BlockIndex, block_keys
 from ._base import DecisionObserver, PolicySettings, RoutingKey
 from ._choice import least_loaded
-from .cache_aware import CacheAware
+from .cache_aware import CacheAware, InsertFeed
 from .session_affinity import SessionTable, overloaded
 
 #: With token loads, a hit is kept until the loads differ by more than this many of the
@@ -106,6 +106,7 @@ class KvAware:
         on_decision: DecisionObserver,
         view: KvView | None,
         sessions: SessionTable | None = None,
+        feed: InsertFeed | None = None,
     ) -> None:
         self._settings = settings
         self._rng = rng
@@ -114,7 +115,12 @@ class KvAware:
         self._view = view
         self._sessions = sessions
         self.estimate = CacheAware(
-            settings, rng, stage=stage, on_decision=lambda _s, _r: None, for_policy=self.name
+            settings,
+            rng,
+            stage=stage,
+            on_decision=lambda _s, _r: None,
+            feed=feed,
+            for_policy=self.name,
         )
         self._by_tokens = settings.stage_load_metric(stage, self.name) == "tokens"
         self.last = KvDecision(0, 0, False, "none")
@@ -232,7 +238,7 @@ class KvAware:
         # may be missing blocks, so the estimate may say more.
         share = 0.0
         if key.text:
-            chars, _owner = self.estimate.tree.match(key.text, eligible=frozenset((candidate,)))
+            chars, _owner = self.estimate.match(key.text, frozenset((candidate,)))
             share = chars / len(key.text)
         if share > lower:
             return share, round(share * len(keys)), False
@@ -243,7 +249,7 @@ class KvAware:
         candidate (its *home*; 0 for the others, and for all when the share is not above
         ``--cache-threshold``), so a prefix whose blocks were evicted is stored again where its
         group lives and the engines keep holding different groups."""
-        chars, home = self.estimate.tree.match(text, eligible=frozenset(candidates))
+        chars, home = self.estimate.match(text, frozenset(candidates))
         share = chars / len(text)
         if home is None or share <= self._settings.cache_threshold:
             return [0.0] * len(candidates)
@@ -261,7 +267,7 @@ class KvAware:
 
     def _remember(self, key: RoutingKey, chosen: Endpoint) -> None:
         if key.text:
-            self.estimate.tree.insert(key.text, chosen)
+            self.estimate.remember(key.text, chosen)
 
     def _decided(self, reason: str, blocks: int, total: int, *, known: bool) -> None:
         self.last = KvDecision(blocks, total, known, reason)
