@@ -102,7 +102,6 @@ class _Answer:
         "inline",
         "nursery",
         "req",
-        "request",
         "resp",
         "taken",
     )
@@ -112,7 +111,6 @@ class _Answer:
         req: Request,
         attempt: Attempt,
         call: UpstreamCall,
-        request: httpx.Request,
         resp: httpx.Response,
         buffer: RelayBuffer,
         framer: EventFramer,
@@ -122,7 +120,6 @@ class _Answer:
         self.req = req
         self.attempt = attempt
         self.call = call
-        self.request = request
         self.resp = resp
         self.chunks = aiter(body_chunks(resp))
         self.buffer = buffer
@@ -204,12 +201,12 @@ class DecodeRelay:
         self._first_byte_limit = first_byte_limit
         # The transport bounds connect, write and pool; the idle limit between reads is ours.
         self._idle_limit: float | None = stream_timeout.read
-        self._stream_timeout = httpx.Timeout(
+        self._stream_limits = httpx.Timeout(
             connect=stream_timeout.connect,
             read=None,
             write=stream_timeout.write,
             pool=stream_timeout.pool,
-        )
+        ).as_dict()
         self._max_buffered_bytes = max_buffered_bytes
         self._budget = budget
         #: Test-only: reproduce the historic bug (decode load released when headers arrive).
@@ -250,7 +247,7 @@ class DecodeRelay:
         try:
             with trio.move_on_after(limit) as scope:
                 resp = await self._client.open_post(
-                    call.url, call.content, call.headers, self._stream_timeout
+                    call.url, call.content, call.headers, self._stream_limits
                 )
         except httpx.HTTPError as exc:
             attempt.lease.release(ep)
@@ -258,7 +255,6 @@ class DecodeRelay:
         if scope.cancelled_caught:
             attempt.lease.release(ep)
             return req.record_failure(outcomes.timeout(stage, ep, f"no response in {limit:g}s"))
-        request = resp.request
         buffer = RelayBuffer(self._max_buffered_bytes, self._budget)
         idle = IdleDeadline(self._idle_limit)
         try:
@@ -269,9 +265,7 @@ class DecodeRelay:
                     if failure is not None:
                         return failure
                     framer = EventFramer(self._max_buffered_bytes)
-                    answer = _Answer(
-                        req, attempt, call, request, resp, buffer, framer, idle, nursery
-                    )
+                    answer = _Answer(req, attempt, call, resp, buffer, framer, idle, nursery)
                     self._inline.add(answer)
                     req.on_cancel = lambda: self._hand_off(answer)
                     try:
@@ -280,7 +274,7 @@ class DecodeRelay:
                         req.on_cancel = None
                         self._inline.discard(answer)
                 if idle.scope.cancelled_caught:
-                    timeout = idle.timeout(request)
+                    timeout = idle.timeout(resp.request)
                     if answer is None:  # nothing sent: the proxy may retry
                         return req.record_failure(outcomes.transport_failure(stage, ep, timeout))
                     if answer.inline:  # the request's task was reading
@@ -348,7 +342,7 @@ class DecodeRelay:
                 while (data := await answer.next(idle)) is not None:
                     answer.buffer.put(data)
             if idle.scope.cancelled_caught:
-                raise idle.timeout(answer.request)
+                raise idle.timeout(answer.resp.request)
         except (RelayOverflow, EventTooLarge, httpx.HTTPError) as exc:
             answer.ended_by(exc)
         finally:

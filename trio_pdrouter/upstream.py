@@ -20,8 +20,6 @@ deadlines around whole phases (prefill, first byte).
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 import httpx
 
@@ -66,11 +64,12 @@ class LegClient(httpx.AsyncClient):
         url: str,
         content: bytes,
         headers: dict[bytes, bytes],
-        limits: httpx.Timeout | None = None,
+        limits: dict[str, float | None] | None = None,
     ) -> httpx.Response:
         """POST ``content`` to ``url`` with ``headers`` (and ``Host``, ``Content-Length``);
         returns once the answer's head has arrived. The caller reads its body to the end or
-        closes it. ``limits``: the client's if not given."""
+        closes it. ``limits``: an ``httpx.Timeout.as_dict()`` made once by the caller; the
+        client's if not given."""
         target = self._leg_urls.get(url)
         if target is None:
             if len(self._leg_urls) >= URLS_KEPT:
@@ -78,7 +77,6 @@ class LegClient(httpx.AsyncClient):
             parsed = httpx.URL(url)
             target = self._leg_urls[url] = (parsed, parsed.netloc)
         parsed, host = target
-        timeout: dict[str, Any] = self._leg_timeout if limits is None else limits.as_dict()
         request = httpx.Request(
             "POST",
             parsed,
@@ -88,7 +86,7 @@ class LegClient(httpx.AsyncClient):
                 (b"content-length", b"%d" % len(content)),
             ],
             stream=httpx.ByteStream(content),
-            extensions={"timeout": timeout},
+            extensions={"timeout": self._leg_timeout if limits is None else limits},
         )
         request.read()  # the body is in memory: ``request.content`` works as httpx's does
         response = await self._leg_transport.handle_async_request(request)

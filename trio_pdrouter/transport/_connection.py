@@ -164,13 +164,18 @@ class H11Connection:
 
     async def _read(self, read_timeout: float | None, request: httpx.Request) -> bytes:
         """One socket read (``b""`` at EOF). The timeout bounds this read only, so a slow
-        stream with steady chunks never times out as a whole."""
+        stream with steady chunks never times out as a whole.
+
+        Straight from the trio socket: a stream reads once per token-paced event, and
+        ``SocketStream.receive_some`` adds a generator-based context manager per call (its
+        errors are then raw ``OSError``, which ``_IO_ERRORS`` holds)."""
+        socket = self._stream.socket
         try:
             if read_timeout is None:
-                data = await self._stream.receive_some(RECEIVE_SIZE)
+                data = await socket.recv(RECEIVE_SIZE)
             else:
                 with trio.CancelScope(deadline=trio.current_time() + read_timeout) as scope:
-                    data = await self._stream.receive_some(RECEIVE_SIZE)
+                    data = await socket.recv(RECEIVE_SIZE)
                 if scope.cancelled_caught:
                     raise httpx.ReadTimeout(
                         f"read timed out after {read_timeout}s", request=request
@@ -264,15 +269,7 @@ class H11Connection:
                     return out
             if body.done:
                 return None
-            if read_timeout is None:
-                # A stream's read, once per token-paced event: straight to the trio socket
-                # (`SocketStream.receive_some` adds a generator-based context manager per call).
-                try:
-                    data = await self._stream.socket.recv(RECEIVE_SIZE)
-                except _IO_ERRORS as exc:
-                    raise httpx.ReadError(f"read failed: {exc!r}", request=request) from exc
-            else:
-                data = await self._read(read_timeout, request)
+            data = await self._read(read_timeout, request)
             if not data:
                 raise httpx.RemoteProtocolError(
                     "peer closed connection without sending complete message body: "
