@@ -54,10 +54,12 @@ bench: $(VENV)/.bench-installed bench-vllm-router
 bench-full: $(VENV)/.bench-installed bench-vllm-router
 	$(BIN)/python -m benchmarks --profile full
 
-# The token-paced relay under py-spy: PROFILE_TARGET=ours|floor, a flame graph in benchmarks/results/.
+# The token-paced relay under py-spy: PROFILE_TARGET=ours|floor, PROFILE_MODE=regular|pd, a flame
+# graph in benchmarks/results/.
 PROFILE_TARGET ?= ours
+PROFILE_MODE ?= regular
 profile: $(VENV)/.bench-installed
-	$(BIN)/python -m benchmarks.profile --target $(PROFILE_TARGET)
+	$(BIN)/python -m benchmarks.profile --target $(PROFILE_TARGET) --mode $(PROFILE_MODE)
 
 clean:
 	rm -rf $(VENV) $(VLLM_ROUTER_VENV) .mypy_cache .pytest_cache .ruff_cache

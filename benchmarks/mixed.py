@@ -18,8 +18,11 @@ Routers: trio-pdrouter ``cache_aware`` with ``--load-metric requests``, its defa
 on prefill, requests on decode) and ``tokens`` on both stages, ``power_of_two`` with each
 metric, and vllm-router ``cache_aware``, all with the routers' default thresholds; they take
 turns and each gets a fresh router and empty caches. Reported: req/s, TTFT (time to the first
-streamed byte) p50/p99, medians over the repeats.
-``BENCH_MIXED_WORKLOADS=mixed|uniform`` narrows a run.
+streamed byte) p50/p99, the prefill simulator's prefix-hit rate (cached / prompt tokens over the
+run, warm-up included), medians over the repeats.
+``BENCH_MIXED_WORKLOADS=mixed|uniform`` narrows a run, ``BENCH_MIXED_CONFIGS="requests|vllm"``
+runs only the configurations whose label contains one of the ``|``-separated parts, and
+``BENCH_MIXED_REPEATS=N`` sets the rounds.
 """
 
 from __future__ import annotations
@@ -76,13 +79,20 @@ def estimate(profile: str) -> float:
 
 def run(ctx: Context) -> dict[str, Any]:
     p = PROFILES[ctx.profile]
-    configs = [c for c in CONFIGS if c[1] == "ours" or ctx.vllm_router]
+    parts = [part for part in os.environ.get("BENCH_MIXED_CONFIGS", "").split("|") if part]
+    configs = [
+        c
+        for c in CONFIGS
+        if (c[1] == "ours" or ctx.vllm_router) and (not parts or any(x in c[0] for x in parts))
+    ]
     chosen = os.environ.get("BENCH_MIXED_WORKLOADS", "mixed,uniform").split(",")
+    repeats = int(os.environ.get("BENCH_MIXED_REPEATS", p["repeats"]))
     result: dict[str, Any] = {
         "scenario": "mixed",
         "profile": ctx.profile,
         "settings": {
             **p,
+            "repeats": repeats,
             "concurrency": CONCURRENCY,
             "prefill_sim": PREFILL_SIM,
             "decode_sim": DECODE_SIM,
@@ -104,9 +114,9 @@ def run(ctx: Context) -> dict[str, Any]:
         ]  # fmt: skip
         for workload in chosen:
             runs: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in configs}
-            for rep in range(p["repeats"]):
+            for rep in range(repeats):
                 for n, (label, kind, policy) in enumerate(configs):
-                    ctx.progress.phase(f"{workload}: {label}, round {rep + 1}/{p['repeats']}")
+                    ctx.progress.phase(f"{workload}: {label}, round {rep + 1}/{repeats}")
                     wait_sims_idle(client, sims)
                     for sim in sims:
                         client.post(sim.url + "/sim/reset", json={"prefix_cache": True})
@@ -125,9 +135,11 @@ def run(ctx: Context) -> dict[str, Any]:
                             router=router,
                             seconds=p["warmup"] + p["seconds"],
                         )
+                        totals = client.get(prefill.url + "/sim/stats").json()["totals"]
                     finally:
                         procs.stop(router)
                     lat = latency_summary(raw)
+                    queried = int(totals["prefix_cache_queries"])
                     ttft = raw["first_bytes"]
                     runs[label].append(
                         {
@@ -136,6 +148,7 @@ def run(ctx: Context) -> dict[str, Any]:
                             "ttft_p99_ms": percentile(ttft, 0.99) * 1e3,
                             "total_p99_ms": lat["total_p99_ms"],
                             "failed": float(raw["failed"]),
+                            "prefix_hit_rate": int(totals["prefix_cache_hits"]) / (queried or 1),
                         }
                     )
             rows: dict[str, dict[str, Any]] = {}

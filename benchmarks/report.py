@@ -534,11 +534,16 @@ def _mixed(data: dict[str, Any]) -> list[str]:
     out = ["## 8. Token-weighted load: mixed prompt lengths", ""]
     for workload, rows in data["workloads"].items():
         out += [f"**{workload}**", ""]
-        out += ["| router | req/s | TTFT p50 ms | TTFT p99 ms | failed |", "|---|---|---|---|---|"]
+        out += [
+            "| router | req/s | TTFT p50 ms | TTFT p99 ms | prefix hits | failed |",
+            "|---|---|---|---|---|---|",
+        ]
         for label, row in rows.items():
+            hits = row.get("prefix_hit_rate")  # absent from results before 2026-12-03
             out.append(
                 f"| {label} | {row['req_per_s']:.1f} | {row['ttft_p50_ms']:.0f} |"
-                f" {row['ttft_p99_ms']:.0f} | {row['failed']:.0f} |"
+                f" {row['ttft_p99_ms']:.0f} | {'-' if hits is None else f'{hits:.1%}'} |"
+                f" {row['failed']:.0f} |"
             )
         out.append("")
     return out
