@@ -34,6 +34,7 @@ scope, before any checkpoint, and the closed socket is what tells vLLM to abort 
 
 from __future__ import annotations
 
+import os
 import select
 
 import h11
@@ -58,6 +59,7 @@ class H11Connection:
 
     __slots__ = (
         "_chunked",
+        "_fd",
         "_h11",
         "_keep_alive",
         "_pending",
@@ -69,6 +71,7 @@ class H11Connection:
 
     def __init__(self, stream: trio.SocketStream) -> None:
         self._stream = stream
+        self._fd = stream.socket.fileno()
         self._h11 = h11.Connection(our_role=h11.CLIENT)
         # A chunked response body is read with this instead of h11 (None: h11 reads it);
         # _pending holds the body bytes h11 had buffered past the head, _keep_alive whether
@@ -164,18 +167,13 @@ class H11Connection:
 
     async def _read(self, read_timeout: float | None, request: httpx.Request) -> bytes:
         """One socket read (``b""`` at EOF). The timeout bounds this read only, so a slow
-        stream with steady chunks never times out as a whole.
-
-        Straight from the trio socket: a stream reads once per token-paced event, and
-        ``SocketStream.receive_some`` adds a generator-based context manager per call (its
-        errors are then raw ``OSError``, which ``_IO_ERRORS`` holds)."""
-        socket = self._stream.socket
+        stream with steady chunks never times out as a whole."""
         try:
             if read_timeout is None:
-                data = await socket.recv(RECEIVE_SIZE)
+                data = await self._recv()
             else:
                 with trio.CancelScope(deadline=trio.current_time() + read_timeout) as scope:
-                    data = await socket.recv(RECEIVE_SIZE)
+                    data = await self._recv()
                 if scope.cancelled_caught:
                     raise httpx.ReadTimeout(
                         f"read timed out after {read_timeout}s", request=request
@@ -185,6 +183,26 @@ class H11Connection:
         if data:
             self.response_started = True
         return data
+
+    async def _recv(self) -> bytes:
+        """What the socket holds, once it holds something (``b""`` at EOF), read off its file
+        descriptor.
+
+        A stream reads once per token-paced event, and the next event is rarely there yet.
+        trio's ``socket.recv`` then costs a failed ``recv`` call, a raised ``BlockingIOError``
+        and an async context manager per event; this waits for readability first and reads
+        once. The wait is the checkpoint; a read that finds nothing (a spurious wake-up) waits
+        again. Errors are raw ``OSError`` (or ``trio.ClosedResourceError`` when
+        :meth:`close` runs during the wait), which ``_IO_ERRORS`` holds. After :meth:`close`
+        the number may already name another socket, so a closed connection never reads."""
+        fd = self._fd
+        while not self.closed:
+            await trio.lowlevel.wait_readable(fd)
+            try:
+                return os.read(fd, RECEIVE_SIZE)
+            except BlockingIOError:
+                continue
+        raise trio.ClosedResourceError("the connection was closed")
 
     def _next_event(
         self, request: httpx.Request
