@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import sys
 import time
@@ -13,6 +14,20 @@ from typing import Any, TextIO
 import attrs
 
 from .procs import LoadRun, ProcessSet, Service, find_vllm_router
+
+Config = tuple[str, str, list[str]]
+
+
+def chosen_configs(configs: Sequence[Config], env: str, vllm_router: bool) -> list[Config]:
+    """The ``(label, router kind, flags)`` rows a run takes: vllm-router's only when it is
+    installed, and, when the environment variable ``env`` is set, only those whose label
+    contains one of its ``|``-separated parts."""
+    parts = [part for part in os.environ.get(env, "").split("|") if part]
+    return [
+        c
+        for c in configs
+        if (c[1] == "ours" or vllm_router) and (not parts or any(x in c[0] for x in parts))
+    ]
 
 
 def percentile(values: Sequence[float], q: float) -> float:

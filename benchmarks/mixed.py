@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from .common import Context, latency_summary, median, percentile, run_load
+from .common import Context, chosen_configs, latency_summary, median, percentile, run_load
 from .procs import ProcessSet, start_router, start_sim, wait_sims_idle
 
 PROFILES: dict[str, dict[str, Any]] = {
@@ -79,12 +79,7 @@ def estimate(profile: str) -> float:
 
 def run(ctx: Context) -> dict[str, Any]:
     p = PROFILES[ctx.profile]
-    parts = [part for part in os.environ.get("BENCH_MIXED_CONFIGS", "").split("|") if part]
-    configs = [
-        c
-        for c in CONFIGS
-        if (c[1] == "ours" or ctx.vllm_router) and (not parts or any(x in c[0] for x in parts))
-    ]
+    configs = chosen_configs(CONFIGS, "BENCH_MIXED_CONFIGS", ctx.vllm_router)
     chosen = os.environ.get("BENCH_MIXED_WORKLOADS", "mixed,uniform").split(",")
     repeats = int(os.environ.get("BENCH_MIXED_REPEATS", p["repeats"]))
     result: dict[str, Any] = {

@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from .common import Context, cdf_points, latency_summary, median, run_load
+from .common import Context, cdf_points, chosen_configs, latency_summary, median, run_load
 from .procs import ProcessSet, Service, start_router, start_sim, wait_sims_idle
 
 PROFILES: dict[str, dict[str, Any]] = {
@@ -80,12 +80,7 @@ CONFIGS: list[tuple[str, str, list[str]]] = [
 
 
 def _chosen_configs(vllm_router: bool) -> list[tuple[str, str, list[str]]]:
-    parts = [part for part in os.environ.get("BENCH_ROUTING_CONFIGS", "").split("|") if part]
-    chosen = [
-        c
-        for c in CONFIGS
-        if (c[1] == "ours" or vllm_router) and (not parts or any(p in c[0] for p in parts))
-    ]
+    chosen = chosen_configs(CONFIGS, "BENCH_ROUTING_CONFIGS", vllm_router)
     if os.environ.get("BENCH_BASELINE"):
         ours = [(label, f) for label, kind, f in chosen if kind == "ours"]
         chosen += [(f"{label} (baseline)", "baseline", f) for label, f in ours]

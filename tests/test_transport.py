@@ -838,18 +838,27 @@ async def test_cancelled_waiter_does_not_leak() -> None:
         assert open_count(transport, server) == 1
 
 
-async def test_transport_aclose_closes_idle_and_busy_connections() -> None:
-    server_saw_close = trio.Event()
-    transport = H11Transport()
+@asynccontextmanager
+async def a_stream_read_in_part(
+    transport: H11Transport, server_saw_close: trio.Event, **timeouts: float | None
+) -> AsyncIterator[tuple[Server, httpx.AsyncClient, AsyncIterator[bytes]]]:
+    """A `partial_body_server` whose first body chunk has been read; the rest never comes."""
     async with serve(partial_body_server(server_saw_close)) as server:
-        client = client_for(transport)
+        client = client_for(transport, **timeouts)
         async with client.stream("GET", server.url) as response:
             chunks = response.aiter_raw()
             await chunks.__anext__()
-            await client.aclose()
-            await wait(server_saw_close)
-            with pytest.raises(httpx.ReadError):
-                await chunks.__anext__()
+            yield server, client, chunks
+
+
+async def test_transport_aclose_closes_idle_and_busy_connections() -> None:
+    server_saw_close = trio.Event()
+    transport = H11Transport()
+    async with a_stream_read_in_part(transport, server_saw_close) as (server, client, chunks):
+        await client.aclose()
+        await wait(server_saw_close)
+        with pytest.raises(httpx.ReadError):
+            await chunks.__anext__()
         assert open_count(transport, server) == 0
         with pytest.raises(httpx.ConnectError):
             await transport.handle_async_request(httpx.Request("GET", server.url))
@@ -858,52 +867,45 @@ async def test_transport_aclose_closes_idle_and_busy_connections() -> None:
 async def test_closing_the_transport_during_a_read_wait_fails_that_read() -> None:
     server_saw_close = trio.Event()
     transport = H11Transport()
-    async with serve(partial_body_server(server_saw_close)) as server:
-        client = client_for(transport, read=None)
-        async with client.stream("GET", server.url) as response:
-            chunks = response.aiter_raw()
-            await chunks.__anext__()
-            failed: list[BaseException] = []
+    stream = a_stream_read_in_part(transport, server_saw_close, read=None)
+    async with stream as (_, client, chunks):
+        failed: list[BaseException] = []
 
-            async def read_next() -> None:
-                try:
-                    await chunks.__anext__()
-                except httpx.ReadError as exc:
-                    failed.append(exc)
+        async def read_next() -> None:
+            try:
+                await chunks.__anext__()
+            except httpx.ReadError as exc:
+                failed.append(exc)
 
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(read_next)
-                await trio.testing.wait_all_tasks_blocked()
-                assert not failed  # waiting on the socket: the server sent nothing more
-                await client.aclose()
-            assert len(failed) == 1
-            await wait(server_saw_close)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_next)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not failed  # waiting on the socket: the server sent nothing more
+            await client.aclose()
+        assert len(failed) == 1
+        await wait(server_saw_close)
 
 
 async def test_a_closed_connection_never_reads_the_socket_that_took_its_number() -> None:
     server_saw_close = trio.Event()
     transport = H11Transport()
-    async with serve(partial_body_server(server_saw_close)) as server:
-        client = client_for(transport)
-        async with client.stream("GET", server.url) as response:
-            chunks = response.aiter_raw()
-            await chunks.__anext__()
-            # The number the connection's socket has (white-box: nothing public shows it).
-            (conn,) = transport._pools[("127.0.0.1", server.port)]._connections
-            old = conn._stream.socket.fileno()
-            await client.aclose()
-            a, b = socket.socketpair()
-            try:
-                newcomer = a if a.fileno() == old else b
-                assert newcomer.fileno() == old  # the lowest free number is reused
-                other = b if newcomer is a else a
-                other.sendall(b"HTTP/1.1 200 OK\r\n")  # now readable under the old number
-                with pytest.raises(httpx.ReadError):
-                    await chunks.__anext__()
-                assert newcomer.recv(100) == b"HTTP/1.1 200 OK\r\n"  # still all there
-            finally:
-                a.close()
-                b.close()
+    async with a_stream_read_in_part(transport, server_saw_close) as (server, client, chunks):
+        # The number the connection's socket has (white-box: nothing public shows it).
+        (conn,) = transport._pools[("127.0.0.1", server.port)]._connections
+        old = conn._stream.socket.fileno()
+        await client.aclose()
+        a, b = socket.socketpair()
+        try:
+            newcomer = a if a.fileno() == old else b
+            assert newcomer.fileno() == old  # the lowest free number is reused
+            other = b if newcomer is a else a
+            other.sendall(b"HTTP/1.1 200 OK\r\n")  # now readable under the old number
+            with pytest.raises(httpx.ReadError):
+                await chunks.__anext__()
+            assert newcomer.recv(100) == b"HTTP/1.1 200 OK\r\n"  # still all there
+        finally:
+            a.close()
+            b.close()
 
 
 # -- load ------------------------------------------------------------------------------------
