@@ -1,4 +1,5 @@
-"""``kv_aware``: exact credit from known engines, the estimate for unknown ones, load traded."""
+"""``kv_aware``: exact credit from known engines, the estimate for unknown ones, load as the
+balance test and the tie-break."""
 
 from __future__ import annotations
 
@@ -88,15 +89,18 @@ def test_with_token_loads_a_hit_wins_until_the_loads_are_unbalanced() -> None:
     assert wide.choose(EPS, {EPS[0]: 100 + 32, EPS[1]: 322 + 8, EPS[2]: 100 + 32}, key) == EPS[1]
 
 
-def test_between_balanced_token_loads_the_load_decides_among_similar_hits() -> None:
+def test_between_balanced_loads_the_larger_hit_wins_and_load_decides_between_equal_ones() -> None:
     view = View()
     view.store(EPS[1], 6)
     view.store(EPS[2], 5)
     policy = make(view, load_metric="tokens")
     key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
-    # EPS[1] holds one block more (1/8 of the prompt) but is a third busier: EPS[2] wins.
-    assert policy.choose(EPS, {EPS[0]: 100, EPS[1]: 150, EPS[2]: 100}, key) == EPS[2]
-    assert policy.choose(EPS, {EPS[0]: 100, EPS[1]: 105, EPS[2]: 100}, key) == EPS[1]
+    # EPS[1] holds one block more (1/8 of the prompt): it wins though a third busier.
+    assert policy.choose(EPS, {EPS[0]: 100, EPS[1]: 150, EPS[2]: 100}, key) == EPS[1]
+    view.store(EPS[2], 6)
+    # Equal hits: the less loaded, by any margin.
+    assert policy.choose(EPS, {EPS[0]: 100, EPS[1]: 101, EPS[2]: 100}, key) == EPS[2]
+    assert policy.choose(EPS, {EPS[0]: 100, EPS[1]: 100, EPS[2]: 101}, key) == EPS[1]
 
 
 def test_a_miss_everywhere_goes_home_where_the_prefix_was_sent_before() -> None:
@@ -203,12 +207,23 @@ def test_unbalanced_loads_go_to_the_least_loaded() -> None:
     assert policy.last.reason == "unbalanced"
 
 
-def test_a_load_difference_past_the_threshold_outweighs_a_full_hit() -> None:
+def test_balanced_loads_never_outweigh_a_hit() -> None:
     view = View()
     view.store(EPS[1], 8)
-    policy = make(view, balance_rel_threshold=100.0)  # never "unbalanced"
-    loads = {EPS[0]: 40, EPS[1]: 40, EPS[2]: 0}
-    assert policy.choose(EPS, loads, KEY) == EPS[2]
+    policy = make(view)
+    loads = {EPS[0]: 32, EPS[1]: 32, EPS[2]: 0}  # 32 more: at the threshold, still balanced
+    assert policy.choose(EPS, loads, KEY) == EPS[1]
+    assert policy.last.reason == "kv_hit"
+    assert policy.choose(EPS, {**loads, EPS[1]: 33}, KEY) == EPS[2]
+    assert policy.last.reason == "unbalanced"
+
+
+def test_a_hit_at_or_below_the_cache_threshold_counts_as_none() -> None:
+    view = View()
+    view.store(EPS[1], 2)  # 2 of 8 blocks: 0.25
+    loads = {EPS[0]: 3, EPS[1]: 3, EPS[2]: 0}
+    assert make(view, cache_threshold=0.25).choose(EPS, loads, KEY) == EPS[2]
+    assert make(view, cache_threshold=0.2).choose(EPS, loads, KEY) == EPS[1]
 
 
 def test_temperature_spreads_choices_by_score() -> None:
