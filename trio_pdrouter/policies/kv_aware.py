@@ -25,10 +25,10 @@ Per decision, over the candidates:
   hit - a fraction of one block's share times (load - min_load) / (max_load - min_load)).
   Measured under cache pressure (``python -m benchmarks --only kv_aware``): trading hit against
   load inside the balance thresholds (score = hit - (load - min_load) / scale) left hits for
-  the least loaded engine; with one router it gave TTFT p99 1.16-1.41x ``cache_aware``'s, whose
-  hit wins until the loads are unbalanced, and this rule 1.08x at a hit rate 1 point higher
-  (README). Counting tokens (``--load-metric tokens``), the
-  unbalanced test's absolute part is the larger of ``--balance-token-threshold`` and
+  the least loaded engine; with one router it gave TTFT p99 1.16-1.41x that of ``cache_aware``
+  (whose hit wins until the loads are unbalanced), this rule 1.08-1.17x at the same hit rate,
+  the rest being the ``/tokenize`` call per request (README). Counting tokens (``--load-metric
+  tokens``), the unbalanced test's absolute part is the larger of ``--balance-token-threshold`` and
   :data:`HELD_PROMPTS` times the prompt's tokens (a hit keeps its engine until that engine is
   several prompts' work behind). A candidate's token load is the uncached tokens in flight
   there plus this request's uncached tokens there (which routing charges from
