@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from .common import Context, chosen_configs, latency_summary, median, percentile, run_load
+from .common import Config, Context, chosen_configs, latency_summary, median, percentile, run_load
 from .procs import ProcessSet, start_router, start_sim, wait_sims_idle
 
 PROFILES: dict[str, dict[str, Any]] = {
@@ -58,7 +58,7 @@ SHORT = [
 LONG = ["--long-share", "0.1", "--long-groups", "8", "--long-prefix-chars", "64000"]
 WORKLOADS = {"mixed": [*SHORT, *LONG], "uniform": SHORT}
 #: (label, router kind, policy flags)
-CONFIGS: list[tuple[str, str, list[str]]] = [
+CONFIGS: list[Config] = [
     ("ours cache_aware requests", "ours", ["--policy", "cache_aware", "--load-metric", "requests"]),
     ("ours cache_aware (defaults: prefill tokens)", "ours", ["--policy", "cache_aware"]),
     ("ours cache_aware tokens", "ours", ["--policy", "cache_aware", "--load-metric", "tokens"]),

@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from .common import Context, cdf_points, chosen_configs, latency_summary, median, run_load
+from .common import Config, Context, cdf_points, chosen_configs, latency_summary, median, run_load
 from .procs import ProcessSet, Service, start_router, start_sim, wait_sims_idle
 
 PROFILES: dict[str, dict[str, Any]] = {
@@ -63,7 +63,7 @@ SEED_FLAGS = [
     "--cache-threshold", "0.5", "--balance-abs-threshold", "32", "--balance-rel-threshold", "1.1",
 ]  # fmt: skip
 #: (label, router kind, policy flags)
-CONFIGS: list[tuple[str, str, list[str]]] = [
+CONFIGS: list[Config] = [
     ("ours cache_aware (seed flags)", "ours", ["--policy", "cache_aware", *SEED_FLAGS]),
     (
         "ours cache_aware (seed flags) --workers 4",
@@ -79,7 +79,7 @@ CONFIGS: list[tuple[str, str, list[str]]] = [
 ]
 
 
-def _chosen_configs(vllm_router: bool) -> list[tuple[str, str, list[str]]]:
+def _chosen_configs(vllm_router: bool) -> list[Config]:
     chosen = chosen_configs(CONFIGS, "BENCH_ROUTING_CONFIGS", vllm_router)
     if os.environ.get("BENCH_BASELINE"):
         ours = [(label, f) for label, kind, f in chosen if kind == "ours"]

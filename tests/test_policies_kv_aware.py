@@ -222,8 +222,15 @@ def test_a_hit_at_or_below_the_cache_threshold_counts_as_none() -> None:
     view = View()
     view.store(EPS[1], 2)  # 2 of 8 blocks: 0.25
     loads = {EPS[0]: 3, EPS[1]: 3, EPS[2]: 0}
-    assert make(view, cache_threshold=0.25).choose(EPS, loads, KEY) == EPS[2]
-    assert make(view, cache_threshold=0.2).choose(EPS, loads, KEY) == EPS[1]
+    at_threshold = make(view, cache_threshold=0.25)
+    assert at_threshold.choose(EPS, loads, KEY) == EPS[2]
+    assert at_threshold.last.reason == "miss"
+    # Chosen as the least loaded, not for its two blocks: a miss too.
+    assert at_threshold.choose(EPS, {**loads, EPS[1]: 0, EPS[2]: 3}, KEY) == EPS[1]
+    assert at_threshold.last.reason == "miss"
+    below = make(view, cache_threshold=0.2)
+    assert below.choose(EPS, loads, KEY) == EPS[1]
+    assert below.last.reason == "kv_hit"
 
 
 def test_temperature_spreads_choices_by_score() -> None:

@@ -210,10 +210,12 @@ class KvAware:
         chosen = candidates[index]
         self._remember(key, chosen)
         blocks, known = seen[index]
-        if blocks:
+        if shares[index] <= floor:  # chosen by load: what it holds earned nothing
+            reason = "miss"
+        elif blocks:
             reason = "kv_hit" if known else "estimate_hit"
         else:
-            reason = "home" if shares[index] > 0 else "miss"
+            reason = "home"
         self._decided(reason, blocks, len(keys), known=known)
         return chosen
 
