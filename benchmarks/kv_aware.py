@@ -131,7 +131,8 @@ def _one(
                 f"load-{kind}-{policy}-{replicas}-{i}",
                 ["--url", r.url, "--seconds", seconds, *LOAD, *load],
                 concurrency=clients // replicas,
-                watch=None,
+                # One router's CPU (its workers and the supervisor included) over the window.
+                watch=routers[0] if replicas == 1 else None,
             )
             for i, r in enumerate(routers)
         ]
@@ -142,6 +143,7 @@ def _one(
             procs.stop(r)
     ttfb = [t for res in results for t in res["ttfb"]]
     window = max(res["window_s"] for res in results)
+    cpu = results[0].get("router_cpu_s")
     return {
         "router": kind,
         "policy": policy,
@@ -154,6 +156,10 @@ def _one(
         "ttfb_p99_ms": percentile(ttfb, 0.99) * 1000,
         "req_per_s": sum(res["ok"] for res in results) / window if window else 0.0,
         "failed": sum(res["failed"] for res in results),
+        # Router CPU per request over the window (one router only): what exactness costs.
+        "router_cpu_ms_per_req": cpu / results[0]["ok"] * 1000
+        if cpu and results[0]["ok"]
+        else None,
     }
 
 

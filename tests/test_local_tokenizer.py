@@ -17,6 +17,7 @@ from trio_pdrouter.cli import parse_config
 from trio_pdrouter.local_tokenizer import LocalTokenizer
 from trio_pdrouter.policies import RoutingKey
 from trio_pdrouter.prompt_tokens import PromptTokens, tokenize_request
+from trio_pdrouter.upstream import LegClient
 from trio_pdrouter_sim.requests import tokenize
 from trio_pdrouter_sim.text_tokens import TextTokens
 from trio_pdrouter_sim.tokenizer_files import write_model_dir
@@ -113,7 +114,7 @@ async def test_prompt_tokens_ask_the_engine_only_for_what_is_declined(model_dir:
         calls.append(orjson.loads(request.content))
         return httpx.Response(200, json={"count": 2, "tokens": [7, 8]})
 
-    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    client = LegClient(transport=httpx.MockTransport(handler))
     local = LocalTokenizer.load(str(model_dir))
     tokens = PromptTokens(client, lambda: ["http://e:1"], local=local)
     key = await tokens.key_with_tokens({"prompt": "routing"}, RoutingKey(text="routing"))

@@ -40,7 +40,7 @@ import trio
 
 from .local_tokenizer import LocalTokenizer
 from .policies import RoutingKey
-from .upstream import read_capped
+from .upstream import LegClient, post_capped
 
 __all__ = ["PromptTokens"]
 
@@ -88,7 +88,7 @@ class PromptTokens:
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        client: LegClient,
         servers: Callable[[], Sequence[str]],
         *,
         timeout_s: float = 2.0,
@@ -103,7 +103,11 @@ class PromptTokens:
         self._cache: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
         self._cache_size = cache_size
         self._turn = 0
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = {"Content-Type": "application/json"}
+        self._leg_headers = {b"content-type": b"application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+            self._leg_headers[b"authorization"] = f"Bearer {api_key}".encode("latin-1")
         self.calls = 0
         self.failures = 0
 
@@ -137,16 +141,30 @@ class PromptTokens:
             tokens = await self._local.ids(request)
             if tokens is not None:
                 return len(tokens)
-        return await self._post(_json_in_slices(request), _read_count)
+
+        async def exchange(url: str) -> int | None:
+            # A body in slices: httpx's own request path, which streams it.
+            async with self._client.stream(
+                "POST", url, content=_json_in_slices(request), headers=self._headers
+            ) as resp:
+                return await _read_count(resp) if resp.status_code == 200 else None
+
+        return await self._post(exchange)
 
     async def _ask(self, raw: bytes) -> tuple[int, ...] | None:
-        return await self._post(raw, _read_tokens)
+        async def exchange(url: str) -> tuple[int, ...] | None:
+            # Straight to the transport (LegClient.open_post), as the legs go: this call runs
+            # for every request that kv_aware routes.
+            answer = await post_capped(
+                self._client, url, content=raw, headers=self._leg_headers, cap=MAX_ANSWER_BYTES
+            )
+            return _tokens_in(answer.content) if answer.status_code == 200 else None
 
-    async def _post(
-        self, content: bytes | AsyncIterator[bytes], read: Callable[[httpx.Response], Awaitable[T]]
-    ) -> T | None:
-        """POST ``content`` to the next server's ``/tokenize`` and ``read`` a 200 answer; None
-        (counted in ``failures``) on anything else: any failure lets the request through."""
+        return await self._post(exchange)
+
+    async def _post(self, exchange: Callable[[str], Awaitable[T | None]]) -> T | None:
+        """Run ``exchange`` with the next server's ``/tokenize`` URL; None (counted in
+        ``failures``) on anything but an answer: any failure lets the request through."""
         servers = self._servers()
         if not servers:
             return None
@@ -156,14 +174,7 @@ class PromptTokens:
         answer: T | None = None
         try:
             with trio.fail_after(self._timeout_s):
-                async with self._client.stream(
-                    "POST",
-                    url,
-                    content=content,
-                    headers={"Content-Type": "application/json", **self._headers},
-                ) as resp:
-                    if resp.status_code == 200:
-                        answer = await read(resp)
+                answer = await exchange(url)
         except Exception as exc:  # the engine, the network, a timeout, a malformed answer
             log.debug("tokenize at %s failed: %r", url, exc)
         if answer is None:
@@ -182,9 +193,9 @@ async def _read_count(resp: httpx.Response) -> int | None:
     return None if found is None else int(found[1])
 
 
-async def _read_tokens(resp: httpx.Response) -> tuple[int, ...] | None:
-    """The token ids of a ``/tokenize`` answer (read up to :data:`MAX_ANSWER_BYTES`)."""
-    answer = orjson.loads(await read_capped(resp, MAX_ANSWER_BYTES))
+def _tokens_in(body: bytes) -> tuple[int, ...] | None:
+    """The token ids of a ``/tokenize`` answer."""
+    answer = orjson.loads(body)
     tokens = answer.get("tokens") if isinstance(answer, dict) else None
     if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
         return None
