@@ -74,7 +74,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if config.server.workers == 1:
         try:
             trio.run(
-                lambda: run_router(config, shutdown_trigger=wait_for_signal, exit_by_deadline=True)
+                lambda: run_router(
+                    config,
+                    shutdown_trigger=wait_for_signal,
+                    exit_by_deadline=True,
+                    settle_heap=True,
+                )
             )
         except (StartupTimeout, NoCredentials) as exc:
             sys.exit(f"trio-pdrouter: {exc}")

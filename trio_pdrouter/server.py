@@ -15,6 +15,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 from hypercorn.typing import Framework
 
+from . import heap
 from .admission import Admission
 from .app import RouterApp
 from .breaker import Breakers
@@ -288,6 +289,7 @@ async def run_router(
     listen_fd: int | None = None,
     metrics_fd: int | None = None,
     exit_by_deadline: bool = False,
+    settle_heap: bool = False,
     task_status: trio.TaskStatus[RunningRouter] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until ``shutdown_trigger`` returns (or forever); report a :class:`RunningRouter`.
@@ -306,6 +308,9 @@ async def run_router(
     503) and hypercorn closes what is left. With ``exit_by_deadline`` (the command line) the
     process exits ``EXIT_DEADLINE_S`` after that even if clients that stopped reading still
     hold sends that nothing can cancel.
+
+    ``settle_heap`` (the command line's processes): once serving, the garbage collector is
+    settled (:func:`.heap.settle`).
     """
     close_connections_when_clients_leave()
     serve_http1_only()
@@ -317,9 +322,12 @@ async def run_router(
         kube = credentials(config) if prober else None
         async with trio.open_nursery() as nursery:
             seat = (ledger, listen_fd, metrics_fd, kube)
-            await _run(
-                config, client, nursery, shutdown_trigger, exit_by_deadline, seat, task_status
+            running: RunningRouter = await nursery.start(
+                _run, config, client, nursery, shutdown_trigger, exit_by_deadline, seat
             )
+            if settle_heap:
+                heap.settle()
+            task_status.started(running)
 
 
 async def _run(

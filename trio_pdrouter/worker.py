@@ -90,6 +90,7 @@ def main(args: Sequence[str]) -> None:
                     ledger=ledger,
                     listen_fd=fd,
                     metrics_fd=None if metrics_fd < 0 else metrics_fd,
+                    settle_heap=True,
                     task_status=task_status,
                 )
             )
