@@ -12,10 +12,15 @@ workers scenario (``benchmarks/workers.py``).
 
 Everything shares the machine's cores, so events/s is bounded by the whole set of processes;
 the router's CPU per event (and events per router CPU-second) is the figure that travels.
+``BENCH_BASELINE=DIR`` adds an "ours (baseline)" target from another checkout, taking turns with
+the others in each round (as in :mod:`benchmarks.paced`); ``BENCH_RELAY_REPEATS=N`` sets the
+rounds.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 from .common import Context, median, run_load
@@ -48,7 +53,8 @@ def estimate(profile: str) -> float:
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    p = PROFILES[ctx.profile]
+    p = dict(PROFILES[ctx.profile])
+    p["repeats"] = int(os.environ.get("BENCH_RELAY_REPEATS", p["repeats"]))
     result: dict[str, Any] = {
         "scenario": "relay",
         "profile": ctx.profile,
@@ -73,6 +79,11 @@ def run(ctx: Context) -> dict[str, Any]:
                 procs, "ours-httpx", "ours", [*workers, "--upstream-transport", "httpx"]
             ),
         }
+        baseline = os.environ.get("BENCH_BASELINE")
+        if baseline:
+            targets["ours (baseline)"] = start_router(
+                procs, "baseline-h11", "ours", workers, cwd=Path(baseline)
+            )
         if ctx.vllm_router:
             targets["vllm-router"] = start_router(procs, "vllm", "vllm", workers)
         else:
