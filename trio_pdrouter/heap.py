@@ -7,13 +7,15 @@ a second, and each older-generation pass walks every long-lived object: the impo
 the app, the policies' trees. :func:`settle` moves what is alive once the router serves into
 the permanent generation (``gc.freeze()``: never walked again, never freed, which suits what
 lives as long as the process) and collects the young generation every
-:data:`YOUNG_THRESHOLD` allocations instead. Cyclic garbage then waits for at most that many
-allocations before it is freed, so memory stays bounded.
+:data:`YOUNG_THRESHOLD` allocations instead. A garbage cycle of young objects is freed at the
+next young collection, an older one at the next middle or full collection (every
+:data:`OLDER_THRESHOLD` young, and middle, ones), so memory stays bounded.
 
-Measured (``BENCH_BASELINE=<checkout with settle> BENCH_PACED_MODES=regular,pd
-BENCH_PACED_C=256 BENCH_PACED_REPEATS=3 python -m benchmarks --only paced``, medians of 3,
-README): router CPU per token-paced event at 256 streams 98.2 -> 94.4 us, per PD request
-15.83 -> 15.42 ms.
+Measured against the commit before it in one run (``BENCH_BASELINE=<checkout of bb1915c>
+BENCH_PACED_MODES=regular,pd BENCH_PACED_C=64,256 BENCH_PACED_REPEATS=3 python -m benchmarks
+--only paced``, medians of 3, README): router CPU per token-paced event at 256 streams
+102.8 -> 98.3 us (the floor: 95.3), per PD request 15.57 -> 15.05 ms (the floor: 14.32); 64
+streams unchanged; peak RSS unchanged.
 
 Only the command line's processes call it (the single router and each worker): a test or an
 embedding program keeps its own collector settings.
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import gc
 
-__all__ = ["YOUNG_THRESHOLD", "settle"]
+__all__ = ["OLDER_THRESHOLD", "YOUNG_THRESHOLD", "settle"]
 
 #: Net container allocations between two young-generation collections.
 YOUNG_THRESHOLD = 20_000
