@@ -15,7 +15,8 @@ Measured against the commit before it in one run (``BENCH_BASELINE=<checkout of 
 BENCH_PACED_MODES=regular,pd BENCH_PACED_C=64,256 BENCH_PACED_REPEATS=3 python -m benchmarks
 --only paced``, medians of 3, README): router CPU per token-paced event at 256 streams
 102.8 -> 98.3 us (the floor: 95.3), per PD request 15.57 -> 15.05 ms (the floor: 14.32); 64
-streams unchanged; peak RSS unchanged.
+streams unchanged; peak RSS unchanged. A repeat on a noisier machine lowered TTFT p50 and the
+PD figure again but raised CPU per event at 256 streams by 9 % (README has all three runs).
 
 Only the command line's processes call it (the single router and each worker): a test or an
 embedding program keeps its own collector settings.
