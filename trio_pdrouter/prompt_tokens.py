@@ -103,11 +103,10 @@ class PromptTokens:
         self._cache: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
         self._cache_size = cache_size
         self._turn = 0
-        self._headers = {"Content-Type": "application/json"}
-        self._leg_headers = {b"content-type": b"application/json"}
+        # One set of headers for both calls (httpx takes them as bytes too).
+        self._headers = {b"content-type": b"application/json"}
         if api_key:
-            self._headers["Authorization"] = f"Bearer {api_key}"
-            self._leg_headers[b"authorization"] = f"Bearer {api_key}".encode("latin-1")
+            self._headers[b"authorization"] = f"Bearer {api_key}".encode("latin-1")
         self.calls = 0
         self.failures = 0
 
@@ -156,7 +155,7 @@ class PromptTokens:
             # Straight to the transport (LegClient.open_post), as the legs go: this call runs
             # for every request that kv_aware routes.
             answer = await post_capped(
-                self._client, url, content=raw, headers=self._leg_headers, cap=MAX_ANSWER_BYTES
+                self._client, url, content=raw, headers=self._headers, cap=MAX_ANSWER_BYTES
             )
             return _tokens_in(answer.content) if answer.status_code == 200 else None
 
