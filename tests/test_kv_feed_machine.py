@@ -265,3 +265,89 @@ def test_late_live_copies_of_replayed_batches_are_not_a_restart() -> None:
     assert feed.live(decode_payload(journal.buffer[-1][1], 0)) is None
     assert feed.restarts == 1 and feed.known
     assert set(index.held_keys()) == set(block_keys((5, 6), BS))
+
+
+def _journal_past_its_buffer(published: int, buffer: int) -> KvJournal:
+    """A publisher that stored one root block per batch, ``published`` batches, keeping the
+    last ``buffer``: its history from seq 0 is gone once ``published > buffer``."""
+    journal = KvJournal(0, BS, pub=None, buffer=buffer)
+    for block in range(1, published + 1):
+        journal.stored([block], None, [block, block])
+        journal.step()
+    return journal
+
+
+def _replay(journal: KvJournal, start: int) -> list[Batch]:
+    return [
+        decode_payload(payload, int.from_bytes(seq, "big", signed=True))
+        for _, _, seq, payload in journal.replay_frames(start)[:-1]
+    ]
+
+
+def test_history_beyond_the_buffer_is_replayed_once_then_probes_ask_only_for_what_follows() -> None:
+    """A router started in front of an engine that ran longer than its replay buffer: the
+    replay from seq 0 starts later, so the feed is UNKNOWN, its index what the buffered batches
+    show. Asking from 0 again cannot help (the publisher's history only moves on): the next
+    probes ask from ``last + 1`` and keep the index, instead of re-reading the whole buffer
+    every probe interval and emptying the index each time."""
+    journal = _journal_past_its_buffer(published=8, buffer=4)
+    index = BlockIndex(BS, {"GPU": 1.0}, budget=100)
+    feed = Feed(index, can_replay=True)
+    assert feed.probe() == 0
+    assert feed.replayed(0, _replay(journal, 0), ask=feed.asks) is None
+    buffered = {key for block in range(5, 9) for key in block_keys((block, block), BS)}
+    assert not feed.known and feed.last_seq == 7
+    assert set(index.held_keys()) == buffered
+    for _ in range(3):
+        start = feed.probe()
+        assert start == 8
+        assert feed.replayed(start, _replay(journal, start), ask=feed.asks) is None
+        assert not feed.known and set(index.held_keys()) == buffered
+    # A gap is filled from where it starts, not from 0, and the index stays what it was.
+    journal.stored([9], None, [9, 9])
+    journal.step()  # seq 8, lost
+    journal.stored([10], None, [10, 10])
+    journal.step()  # seq 9
+    assert feed.live(decode_payload(journal.buffer[-1][1], 9)) == 8
+    assert feed.replayed(8, _replay(journal, 8), ask=feed.asks) is None
+    more = buffered | set(block_keys((9, 9), BS)) | set(block_keys((10, 10), BS))
+    assert feed.last_seq == 9 and set(index.held_keys()) == more and not feed.known
+
+
+def test_a_restart_after_history_was_lost_makes_replays_from_zero_useful_again() -> None:
+    """Once the publisher restarts (seq goes back), its new history starts at 0 again: a batch
+    lost right after the restart is asked from 0, and the feed is exact again."""
+    journal = _journal_past_its_buffer(published=8, buffer=4)
+    index = BlockIndex(BS, {"GPU": 1.0}, budget=100)
+    feed = Feed(index, can_replay=True)
+    feed.probe()
+    feed.replayed(0, _replay(journal, 0), ask=feed.asks)
+    journal.restart()
+    for block in (20, 21):
+        journal.stored([block], None, [block, block])
+        journal.step()
+    # seq 0 of the new process is lost; seq 1 shows the restart.
+    assert feed.live(decode_payload(journal.buffer[-1][1], 1)) == 0
+    assert feed.replayed(0, _replay(journal, 0), ask=feed.asks) is None
+    assert feed.known and feed.restarts == 1
+    assert set(index.held_keys()) == {
+        key for block in (20, 21) for key in block_keys((block, block), BS)
+    }
+
+
+def test_a_probe_from_zero_that_finds_history_lost_rebuilds_what_the_buffer_shows() -> None:
+    """An UNKNOWN feed that already applied live batches (its first replay failed) probes from
+    0 and finds the history gone: the replayed batches still rebuild the index (what they show
+    the engine holding), rather than all being skipped as already seen."""
+    journal = _journal_past_its_buffer(published=8, buffer=4)
+    index = BlockIndex(BS, {"GPU": 1.0}, budget=100)
+    feed = Feed(index, can_replay=True)
+    assert feed.live(decode_payload(journal.buffer[-1][1], 7)) == 0
+    assert feed.replay_failed(0, ask=feed.asks) is None
+    assert not feed.known and feed.last_seq == 7
+    assert feed.probe() == 0
+    assert feed.replayed(0, _replay(journal, 0), ask=feed.asks) is None
+    assert set(index.held_keys()) == {
+        key for block in range(5, 9) for key in block_keys((block, block), BS)
+    }
+    assert feed.probe() == 8

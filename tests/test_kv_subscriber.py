@@ -164,6 +164,29 @@ async def test_history_beyond_the_buffer_makes_the_engine_unknown(
     assert changes[1][1].startswith("http://e is unknown")
 
 
+async def test_a_long_running_engine_is_replayed_once_and_its_blocks_are_kept(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """The usual restart of a router: the engine ran longer than its replay buffer. The first
+    replay shows the history gone and gives the blocks its batches stored (UNKNOWN: some may be
+    missing). Probes then ask only for what follows: the buffer is not fetched again at every
+    probe, and the blocks stay."""
+    engine = Engine(ctx, 0, buffer=2)
+    for prompt in PROMPTS:
+        engine.prefill(prompt)  # 6 batches; the buffer keeps the last 2 (prompts 4 and 5)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_replay, engine.router, engine.journal)
+        events = await start(nursery, [engine.source("http://e", None)], ctx)
+        feed = events.feed("http://e", None)
+        assert feed is not None
+        await until(lambda: feed.replays >= 5)  # the first replay and four probes after it
+        assert feed.state.value == "unknown" and feed.last_seq == 5
+        assert credited(events, "http://e", PROMPTS[5]) == 4
+        assert credited(events, "http://e", PROMPTS[4]) == 4
+        assert events.events["http://e"] == 4  # the two buffered batches' events, once
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_restart_clears_the_engine(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     engine = Engine(ctx, 0, buffer=100)
     async with trio.open_nursery() as nursery:

@@ -1,20 +1,22 @@
 """One engine's (one DP rank's) KV-event stream put in order: gaps, replays, restarts (no I/O).
 
 A :class:`Feed` owns one :class:`~.kv_index.BlockIndex` and decides, batch by batch, whether it
-is exact. Its states, as the table :data:`NEXT` the code uses::
+is exact. Its states::
 
     state      next batch    gap / first seq > 0       probe                 replay     failed
     FRESH      KNOWN (seq 0) REPLAYING from 0          REPLAYING from 0      -          -
     KNOWN      KNOWN         REPLAYING from last+1     REPLAYING from last+1 -          -
     REPLAYING  (buffered)    (buffered)                -                     see below  UNKNOWN
-    UNKNOWN    UNKNOWN       UNKNOWN (index cleared)   REPLAYING from 0      see below  UNKNOWN
+    UNKNOWN    UNKNOWN       REPLAYING from 0 (*)      REPLAYING from 0 (*)  see below  UNKNOWN
+
+(*) from ``last+1`` once a replay from 0 found the publisher's history gone (below).
 
 A replay is complete when its first batch is the one asked for (or, asked from 0, nothing was
 published yet), counting the live batches buffered meanwhile: the publisher may answer before
 it publishes the batch asked for, whose live frame then arrives first. From 0 it rebuilds the
 index from scratch (KNOWN); from ``last+1`` it fills the gap (the state before it stays).
-Incomplete, it leaves the feed UNKNOWN. Without a replay source, every row's "REPLAYING" is
-UNKNOWN.
+Incomplete, it leaves the feed UNKNOWN, its index rebuilt from the batches it did deliver.
+Without a replay source, every row's "REPLAYING" is UNKNOWN.
 
 The rules:
 
@@ -27,9 +29,14 @@ The rules:
   most ``max_pending``; beyond, the replay is abandoned and the feed is UNKNOWN).
 * A replay whose first batch is later than asked (history no longer buffered), or that fails, or
   no replay source at all: the index is cleared and the feed is UNKNOWN. It goes on applying
-  live batches (never false credit: every block it holds was stored after the clear, and its
-  removes are seen) but the policy does not trust it until an ``AllBlocksCleared``, a restart
-  or a complete replay makes it KNOWN again.
+  the batches it gets (never false credit: every block it holds was stored after the clear, and
+  its removes are seen) but the policy does not trust it until an ``AllBlocksCleared``, a
+  restart or a complete replay makes it KNOWN again.
+* A replay from 0 that starts later shows the publisher's history from 0 gone for good (vLLM
+  keeps its last ``buffer_steps`` batches; an engine that ran longer than that is the usual
+  case in front of a restarted router). Asking from 0 again would fetch the whole buffer to no
+  avail, and skip it all as already seen: until the publisher restarts, probes and gaps ask
+  from ``last+1``, which keeps the index's blocks true without re-reading the buffer.
 * Asking for a replay is the caller's job: :meth:`Feed.live` returns the seq to ask from.
 """
 
@@ -71,6 +78,8 @@ class Feed:
         self.restarts = 0
         self._exact = False
         self._seen = False
+        #: A replay from 0 started later: this publisher's history from 0 is gone (module doc).
+        self._history_gone = False
         self._replay_from: int | None = None
         #: How many replays were asked: an answer names the ask it answers, so an answer to
         #: one asked before a restart is not taken for a later ask from the same seq.
@@ -107,6 +116,7 @@ class Feed:
                 self._replay_from = None
                 self._pending = []
                 self._lose()
+                self._history_gone = False
             elif len(self._pending) < self.max_pending:
                 self._pending.append(batch)
                 return None
@@ -118,6 +128,7 @@ class Feed:
         if last is not None and batch.seq <= last:
             self.restarts += 1
             self._exact = False
+            self._history_gone = False
             self.index.clear()
             self.last_seq = last = None
         if last is None:
@@ -126,20 +137,25 @@ class Feed:
                 self._exact = True
                 self._apply(batch)
                 return None
+            if self._history_gone:  # nothing before it can be had: go on from this batch
+                self._apply(batch)
+                return None
             return self._need(0, batch)
         if batch.seq == last + 1:
             self._apply(batch)
             return None
         self.gaps += 1
-        return self._need(last + 1 if self._exact else 0, batch)
+        return self._need(last + 1 if self._exact or self._history_gone else 0, batch)
 
     def probe(self) -> int | None:
         """Ask for the history this feed may lack (at startup, then now and then): from
-        ``last_seq + 1`` when exact (finds a lost last batch), else from 0 (a complete replay
-        rebuilds the index). Returns the seq to replay from, or None."""
+        ``last_seq + 1`` when exact (finds a lost last batch) or when the history from 0 is
+        gone, else from 0 (a complete replay rebuilds the index). Returns the seq to replay
+        from, or None."""
         if not self.can_replay or self._replay_from is not None:
             return None
-        start = self.last_seq + 1 if self._exact and self.last_seq is not None else 0
+        after = self._exact or self._history_gone
+        start = self.last_seq + 1 if after and self.last_seq is not None else 0
         self._replay_from = start
         self.asks += 1
         return start
@@ -163,6 +179,7 @@ class Feed:
         if restarted is not None:
             # The publisher restarted while we waited: the replay may be of either process.
             self._lose()
+            self._history_gone = False
             self.last_seq = None
             return self._take(pending[restarted:], covered=False)
         ordered = sorted(batches, key=lambda b: b.seq)
@@ -171,6 +188,11 @@ class Feed:
         first = ordered[0].seq if ordered else pending[0].seq if pending else None
         if first is not None and first > start:
             self._lose()  # history no longer buffered
+            if start == 0:
+                # Gone for good: rebuild from what the buffer shows (nothing of it was applied
+                # since the clear), and ask from last+1 from now on.
+                self._history_gone = True
+                self.last_seq = None
         elif start == 0:
             # From the very first batch (or nothing published yet): rebuild exactly.
             self.index.clear()
@@ -189,7 +211,10 @@ class Feed:
         self._seen = True
         pending, self._pending = self._pending, []
         self._lose()
-        pending = pending[_restart_in(pending) or 0 :]
+        restarted = _restart_in(pending)
+        if restarted is not None:
+            self._history_gone = False
+        pending = pending[restarted or 0 :]
         if pending:
             # Go on from the first live batch after the loss, as if no earlier one existed.
             self.last_seq = pending[0].seq - 1 if pending[0].seq > 0 else None

@@ -15,7 +15,8 @@ feeds it. pyzmq runs under trio without threads, with these rules:
   frames until the end marker (seq -1); no end marker within ``replay_timeout_s`` fails the
   replay, and the DEALER is replaced so a late answer cannot be taken for the next one.
   Besides the replays a gap asks for, each feed probes every ``probe_interval_s`` (a lost last
-  batch, or a feed UNKNOWN whose history from seq 0 is still buffered).
+  batch, or a feed UNKNOWN whose history from seq 0 may still be buffered; once a replay shows
+  it gone, only the batches after the last one are asked for).
 * Whatever a source does (malformed frames, a dead publisher, a refused replay), the router
   keeps serving: the feed goes UNKNOWN and the policy falls back to its estimate.
 """
