@@ -351,3 +351,24 @@ def test_a_probe_from_zero_that_finds_history_lost_rebuilds_what_the_buffer_show
         key for block in range(5, 9) for key in block_keys((block, block), BS)
     }
     assert feed.probe() == 8
+
+
+def test_a_replay_answered_before_a_restart_and_delivered_after_it_gives_no_false_credit() -> None:
+    """The engine answers a replay from 0, restarts, and its new seq 0 arrives live before the
+    answer: the new seq 0 is not the batch the answer carried (another timestamp), so it is
+    taken as the restart it is, not skipped as already replayed (which left the old process's
+    blocks credited as exact). Found by the state machine."""
+    journal = KvJournal(0, BS, pub=None, buffer=8)
+    index = BlockIndex(BS, {"GPU": 1.0}, budget=100)
+    feed = Feed(index, can_replay=True)
+    assert feed.probe() == 0
+    journal.stored([1], None, [1, 2])
+    journal.step()  # old process, seq 0: not delivered live
+    answer = _replay(journal, 0)
+    journal.restart()
+    journal.stored([2], None, [3, 4])
+    journal.step()  # new process, seq 0: delivered live while the answer is on its way
+    assert feed.live(decode_payload(journal.buffer[-1][1], 0)) is None
+    feed.replayed(0, answer, ask=feed.asks)
+    assert set(index.held_keys()) == set(block_keys((3, 4), BS))
+    assert feed.known and feed.restarts == 1

@@ -169,23 +169,27 @@ class Feed:
         """The batches, in order up to the end marker, of replay number ``ask`` (:attr:`asks`
         when it was sent), asked from ``start``; an answer to any other ask is ignored. The live
         batches buffered meanwhile are then taken as :meth:`live` takes them; returns the seq
-        to replay from if that needs another replay."""
-        if start != self._replay_from or ask != self.asks:
-            return None
-        self._replay_from = None
-        self.replays += 1
-        pending, self._pending = self._pending, []
-        restarted = _restart_in(pending)
-        if restarted is not None:
-            # The publisher restarted while we waited: the replay may be of either process.
-            self._lose()
-            self._history_gone = False
-            self.last_seq = None
-            return self._take(pending[restarted:], covered=False)
+        to replay from if that needs another replay. All at once: :meth:`replay_begins`, each
+        batch to :meth:`replay_batch`, :meth:`replay_ends`."""
         ordered = sorted(batches, key=lambda b: b.seq)
+        if not self.replay_begins(start, ordered[0].seq if ordered else None, ask=ask):
+            return None
+        for batch in ordered:
+            self.replay_batch(batch)
+        return self.replay_ends(start, ask=ask)
+
+    def replay_begins(self, start: int, first: int | None, *, ask: int) -> bool:
+        """Replay number ``ask``, asked from ``start``, is about to be applied; ``first`` is the
+        seq of its first batch (None: it has none). False for an answer to another ask (to be
+        ignored). Its batches then go, in seq order, to :meth:`replay_batch`, and
+        :meth:`replay_ends` closes it; no live batch may be given in between (a caller that
+        applies a long replay in slices holds its live batches back meanwhile)."""
+        if start != self._replay_from or ask != self.asks:
+            return False
         # The first batch from ``start`` on may be live, not replayed: the publisher answered
         # before publishing it, and its PUB frame overtook the answer on the other socket.
-        first = ordered[0].seq if ordered else pending[0].seq if pending else None
+        if first is None and self._pending:
+            first = self._pending[0].seq
         if first is not None and first > start:
             self._lose()  # history no longer buffered
             if start == 0:
@@ -198,9 +202,28 @@ class Feed:
             self.index.clear()
             self.last_seq = None
             self._exact = True
-        self._seen = self._seen or bool(ordered)
-        for batch in ordered:
-            self._apply_in_order(batch)
+        return True
+
+    def replay_batch(self, batch: Batch) -> None:
+        """Apply one batch of the replay :meth:`replay_begins` opened."""
+        self._seen = True
+        self._apply_in_order(batch)
+
+    def replay_ends(self, start: int, *, ask: int) -> int | None:
+        """Close the replay :meth:`replay_begins` opened: take the live batches buffered
+        meanwhile; returns the seq to replay from if that needs another replay."""
+        if start != self._replay_from or ask != self.asks:
+            return None
+        self._replay_from = None
+        self.replays += 1
+        pending, self._pending = self._pending, []
+        restarted = _restart_in(pending)
+        if restarted is not None:
+            # The publisher restarted while we waited: the replay may be of either process.
+            self._lose()
+            self._history_gone = False
+            self.last_seq = None
+            return self._take(pending[restarted:], covered=False)
         return self._take(pending, covered=True)
 
     def replay_failed(self, start: int, *, ask: int) -> int | None:
@@ -226,7 +249,11 @@ class Feed:
         last = self.last_seq
         for batch in pending:
             if covered and last is not None and batch.seq <= last and self._replay_from is None:
-                continue
+                applied = self._applied.get(batch.seq)
+                if applied is None or applied == batch.ts:
+                    continue  # the replay delivered it (or it is too old to tell)
+                # Another batch under a seq the replay delivered: the replay was of the
+                # process before a restart, and live() takes this one as the restart it is.
             again = self.live(batch)
             asked = asked if asked is not None else again
         return asked
