@@ -187,6 +187,75 @@ async def test_a_long_running_engine_is_replayed_once_and_its_blocks_are_kept(
         nursery.cancel_scope.cancel()
 
 
+async def serve_slowly(router: zmq.Socket[bytes], journal: KvJournal, gap_s: float) -> None:
+    """Answer one replay request, ``gap_s`` between its frames (a long replay under load)."""
+    fd = router.getsockopt(zmq.FD)
+    assert isinstance(fd, int)
+    while True:
+        try:
+            identity, _empty, start = router.recv_multipart(zmq.NOBLOCK)
+            break
+        except zmq.Again:
+            await trio.lowlevel.wait_readable(fd)
+    for reply in journal.replay_frames(int.from_bytes(start, "big", signed=True)):
+        router.send_multipart([identity, *reply])
+        await trio.sleep(gap_s)
+
+
+async def test_a_replay_that_keeps_coming_is_not_cut_by_its_timeout(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """The timeout is silence between frames: a replay of 6 batches sent over ~0.6 s is taken
+    whole with a 0.3 s timeout (a whole-replay timeout failed it, and the next probe fetched it
+    all again)."""
+    engine = Engine(ctx, 0, buffer=100)
+    for prompt in PROMPTS:
+        engine.prefill(prompt)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_slowly, engine.router, engine.journal, 0.1)
+        events = await start(nursery, [engine.source("http://e", None)], ctx)
+        feed = events.feed("http://e", None)
+        assert feed is not None
+        await until(lambda: feed.replays == 1)
+        assert feed.known and feed.last_seq == 5
+        assert same_blocks(events, "http://e", engine)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_replay_over_its_byte_budget_keeps_its_newest_batches_and_no_false_credit(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """Past ``max_replay_bytes`` the oldest frames go: the replay starts later than asked, the
+    feed is UNKNOWN, and its index holds what the newest batches stored (here: all the engine
+    holds), nothing evicted before them."""
+    engine = Engine(ctx, 0, buffer=100)
+    for prompt in PROMPTS:
+        engine.prefill(prompt)  # 6 batches; the cache keeps prompts 4 and 5
+    sizes = [len(payload) for _seq, payload in engine.journal.buffer]
+    events = KvEvents(
+        [engine.source("http://e", None)],
+        block_size=BS,
+        weights={"GPU": 1.0},
+        budget=1000,
+        probe_interval_s=0.05,
+        replay_timeout_s=0.3,
+        max_replay_bytes=sizes[-1] + sizes[-2],
+        context=ctx,
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_replay, engine.router, engine.journal)
+        await nursery.start(events.run)
+        feed = events.feed("http://e", None)
+        assert feed is not None
+        await until(lambda: feed.replays >= 1)
+        assert not feed.known and feed.last_seq == 5
+        assert events.events["http://e"] == 4  # two batches, a store and a remove each
+        assert credited(events, "http://e", PROMPTS[4]) == 4
+        assert credited(events, "http://e", PROMPTS[5]) == 4
+        assert all(credited(events, "http://e", p) == 0 for p in PROMPTS[:4])
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_restart_clears_the_engine(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     engine = Engine(ctx, 0, buffer=100)
     async with trio.open_nursery() as nursery:

@@ -12,8 +12,12 @@ feeds it. pyzmq runs under trio without threads, with these rules:
   here (every interface) or ``bind:tcp://router-host:5557`` (that address only: the prefix
   :data:`BIND` binds what follows it).
 * Replay: the DEALER sends ``[b"", start_seq]`` and reads ``[b"", (topic,) seq, payload]``
-  frames until the end marker (seq -1); no end marker within ``replay_timeout_s`` fails the
-  replay, and the DEALER is replaced so a late answer cannot be taken for the next one.
+  frames until the end marker (seq -1); ``replay_timeout_s`` without a frame (before the first
+  or between two: a long replay that keeps coming is not cut) fails the replay, and the DEALER
+  is replaced so a late answer cannot be taken for the next one. At most ``max_replay_bytes``
+  of payloads are kept, the oldest dropped first: such a replay starts later than asked, which
+  the feed takes as history no longer buffered (an index that may miss blocks, never one that
+  shows a block dropped). The frames are decoded once the end marker is in.
   Besides the replays a gap asks for, each feed probes every ``probe_interval_s`` (a lost last
   batch, or a feed UNKNOWN whose history from seq 0 may still be buffered; once a replay shows
   it gone, only the batches after the last one are asked for).
@@ -24,6 +28,7 @@ feeds it. pyzmq runs under trio without threads, with these rules:
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -43,6 +48,10 @@ _END = -1
 BIND = "bind:"
 #: Replayed frames decoded between checkpoints.
 _DECODE_SLICE = 64
+#: Replayed frames received between checkpoints.
+_RECEIVE_SLICE = 1000
+#: Payload bytes of one replay kept at most (vLLM keeps 10,000 batches by default).
+MAX_REPLAY_BYTES = 64 * 1024 * 1024
 
 
 @attrs.frozen
@@ -98,12 +107,14 @@ class KvEvents:
         budget: int,
         probe_interval_s: float = 5.0,
         replay_timeout_s: float = 2.0,
+        max_replay_bytes: int = MAX_REPLAY_BYTES,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
         self.sources = tuple(sources)
         self.block_size = block_size
         self._probe_interval_s = probe_interval_s
         self._replay_timeout_s = replay_timeout_s
+        self._max_replay_bytes = max_replay_bytes
         self._context = context or zmq.Context.instance()
         self.feeds: dict[tuple[str, int | None], Feed] = {
             (s.url, s.rank): Feed(
@@ -253,20 +264,48 @@ class KvEvents:
     async def _replay(
         self, source: EventSource, dealer: zmq.Socket[bytes], start: int
     ) -> list[Batch] | None:
-        """The batches from ``start`` on, or None when the replay failed."""
+        """The batches from ``start`` on, or None when the replay failed (module doc)."""
+        frames = await self._replay_frames(source, dealer, start)
+        if frames is None:
+            return None
+        batches: list[Batch] = []
+        for i, (seq, payload) in enumerate(frames):
+            if i % _DECODE_SLICE == _DECODE_SLICE - 1:
+                await trio.lowlevel.checkpoint()
+            try:
+                batch = decode_payload(payload, seq)
+            except MalformedFrame:
+                self.decode_errors[source.key] += 1
+                return None  # a hole in the history: the replay cannot be trusted
+            self.events[source.key] += len(batch.events)
+            batches.append(batch)
+        return batches
+
+    async def _replay_frames(
+        self, source: EventSource, dealer: zmq.Socket[bytes], start: int
+    ) -> deque[tuple[int, bytes]] | None:
+        """The replay's (seq, payload) frames up to its end marker, the newest
+        ``max_replay_bytes`` of them; None without an answer in time (module doc)."""
         fd = socket_fd(dealer)
-        frames: list[list[bytes]] = []
-        with trio.move_on_after(self._replay_timeout_s):
+        frames: deque[tuple[int, bytes]] = deque()
+        held = 0
+        timeout = self._replay_timeout_s
+        with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
             try:
                 dealer.send_multipart([b"", start.to_bytes(8, "big", signed=True)], zmq.NOBLOCK)
             except zmq.Again:
                 return None
+            received = 0
             while True:
                 try:
                     reply = dealer.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     await trio.lowlevel.wait_readable(fd)
                     continue
+                scope.deadline = trio.current_time() + timeout  # the answer is coming
+                received += 1
+                if received % _RECEIVE_SLICE == 0:
+                    await trio.lowlevel.checkpoint()
                 if reply and reply[0] == b"":
                     reply = reply[1:]
                 if len(reply) == 3:
@@ -274,21 +313,14 @@ class KvEvents:
                 if len(reply) != 2 or len(reply[0]) != 8:
                     self.decode_errors[source.key] += 1
                     continue
-                if int.from_bytes(reply[0], "big", signed=True) == _END:
-                    break
-                frames.append(reply)
-            batches: list[Batch] = []
-            for i, (seq, payload) in enumerate(frames):
-                if i % _DECODE_SLICE == _DECODE_SLICE - 1:
-                    await trio.lowlevel.checkpoint()
-                try:
-                    batch = decode_payload(payload, int.from_bytes(seq, "big", signed=True))
-                except MalformedFrame:
-                    self.decode_errors[source.key] += 1
-                    return None  # a hole in the history: the replay cannot be trusted
-                self.events[source.key] += len(batch.events)
-                batches.append(batch)
-            return batches
+                seq = int.from_bytes(reply[0], "big", signed=True)
+                if seq == _END:
+                    return frames
+                frames.append((seq, reply[1]))
+                held += len(reply[1])
+                # The newest frame stays: a replay cut to nothing would read "none published".
+                while held > self._max_replay_bytes and len(frames) > 1:
+                    held -= len(frames.popleft()[1])
         return None
 
     def snapshot(self) -> list[dict[str, object]]:
