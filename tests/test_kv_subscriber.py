@@ -12,6 +12,7 @@ import zmq
 
 from trio_pdrouter.kv_index import block_keys
 from trio_pdrouter.kv_subscriber import EventSource, KvEvents
+from trio_pdrouter.kv_wire import Batch
 from trio_pdrouter_sim.engine import PrefixCache, block_hashes
 from trio_pdrouter_sim.kv_events import KvJournal, serve_replay
 
@@ -253,6 +254,92 @@ async def test_a_replay_over_its_byte_budget_keeps_its_newest_batches_and_no_fal
         assert credited(events, "http://e", PROMPTS[4]) == 4
         assert credited(events, "http://e", PROMPTS[5]) == 4
         assert all(credited(events, "http://e", p) == 0 for p in PROMPTS[:4])
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_long_replay_is_applied_in_slices_with_live_batches_held_back(
+    ctx: zmq.Context[zmq.Socket[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replay of 200 batches is applied 64 at a time (checkpoints between slices); a live
+    batch published in the middle, already in the router's SUB socket, reaches the feed only
+    once the replay is applied (in between, a live restart would let the rest of the old
+    process's replay be credited)."""
+    engine = Engine(ctx, 0, buffer=1000)
+    for i in range(200):
+        engine.prefill([i] * 8)
+    witness = ctx.socket(zmq.SUB)  # sees the live frame when the router's SUB can
+    witness.setsockopt(zmq.SUBSCRIBE, b"")
+    witness.connect(f"tcp://127.0.0.1:{engine.pub_port}")
+    calls: list[str] = []
+    events = KvEvents(
+        [engine.source("http://e", None)],
+        block_size=BS,
+        weights={"GPU": 1.0},
+        budget=1000,
+        probe_interval_s=60.0,
+        replay_timeout_s=0.3,
+        context=ctx,
+    )
+    feed = events.feed("http://e", None)
+    assert feed is not None
+    begins, batch, ends, live = feed.replay_begins, feed.replay_batch, feed.replay_ends, feed.live
+
+    def spy_batch(b: Batch) -> None:
+        calls.append("replay")
+        if len(calls) == 2:  # the replay has begun: a live batch goes out now
+            engine.prefill([7777] * 8)
+            assert witness.poll(2000), "the live frame never went out"
+        batch(b)
+
+    def spy_ends(start: int, *, ask: int) -> int | None:
+        calls.append("ends")
+        return ends(start, ask=ask)
+
+    def spy_live(b: Batch) -> int | None:
+        calls.append("live")
+        return live(b)
+
+    def spy_begins(start: int, first: int | None, *, ask: int) -> bool:
+        calls.append("begins")
+        return begins(start, first, ask=ask)
+
+    monkeypatch.setattr(feed, "replay_begins", spy_begins)
+    monkeypatch.setattr(feed, "replay_batch", spy_batch)
+    monkeypatch.setattr(feed, "replay_ends", spy_ends)
+    monkeypatch.setattr(feed, "live", spy_live)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve_replay, engine.router, engine.journal)
+            await nursery.start(events.run)
+            await until(lambda: feed.last_seq == 200)
+            assert calls[0] == "begins" and calls.index("ends") == 201, calls[:3]
+            assert "live" not in calls[: calls.index("ends")]
+            assert feed.known and same_blocks(events, "http://e", engine)
+            nursery.cancel_scope.cancel()
+    finally:
+        witness.close(linger=0)
+
+
+async def test_a_replay_of_a_full_vllm_buffer_arrives_whole(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """vLLM's ROUTER sends a replay all at once and drops what the DEALER's pipe refuses: a
+    replay of a full buffer (10,000 batches) must not stop at the default high-water mark
+    of 1,000 frames, nor lose its end marker."""
+    engine = Engine(ctx, 0, buffer=10_000)
+    for i in range(10_000):  # each batch stores and removes 16 blocks: ~1 KB
+        keys = [i * 16 + b for b in range(16)]
+        engine.journal.stored(keys, None, list(range(16 * BS)))
+        engine.journal.removed(keys)
+        engine.journal.step()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_replay, engine.router, engine.journal)
+        events = await start(nursery, [engine.source("http://e", None)], ctx)
+        feed = events.feed("http://e", None)
+        assert feed is not None
+        await until(lambda: feed.replays >= 1)
+        assert feed.known and feed.last_seq == 9999 and len(feed.index) == 0
+        assert events.events["http://e"] == 20_000
         nursery.cancel_scope.cancel()
 
 

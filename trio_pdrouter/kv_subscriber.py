@@ -17,7 +17,10 @@ feeds it. pyzmq runs under trio without threads, with these rules:
   is replaced so a late answer cannot be taken for the next one. At most ``max_replay_bytes``
   of payloads are kept, the oldest dropped first: such a replay starts later than asked, which
   the feed takes as history no longer buffered (an index that may miss blocks, never one that
-  shows a block dropped). The frames are decoded once the end marker is in.
+  shows a block dropped). Once the end marker is in, the frames are decoded and applied
+  :data:`_DECODE_SLICE` at a time (a replay's decoded batches are several times its payload
+  bytes: they never all live at once), and the feed's live batches wait in the SUB socket
+  until the replay is applied: the feed takes no live batch in the middle of a replay.
   Besides the replays a gap asks for, each feed probes every ``probe_interval_s`` (a lost last
   batch, or a feed UNKNOWN whose history from seq 0 may still be buffered; once a replay shows
   it gone, only the batches after the last one are asked for).
@@ -50,6 +53,8 @@ BIND = "bind:"
 _DECODE_SLICE = 64
 #: Replayed frames received between checkpoints.
 _RECEIVE_SLICE = 1000
+#: Replay frames the DEALER queues (above vLLM's default buffer of 10,000 batches).
+_REPLAY_HWM = 100_000
 #: Payload bytes of one replay kept at most (vLLM keeps 10,000 batches by default).
 MAX_REPLAY_BYTES = 64 * 1024 * 1024
 
@@ -123,6 +128,8 @@ class KvEvents:
             for s in self.sources
         }
         self._wanted = {(s.url, s.rank): trio.Event() for s in self.sources}
+        #: Set while a replay is applied to a feed: its live batches wait (module doc).
+        self._held: dict[tuple[str, int | None], trio.Event] = {}
         #: Whether each feed was exact when last looked at, to log each change once.
         self._known = dict.fromkeys(self.feeds, False)
         #: Counted per source key: malformed frames and events applied.
@@ -188,10 +195,14 @@ class KvEvents:
             )
 
     async def _live(self, source: EventSource, sub: zmq.Socket[bytes]) -> None:
-        feed = self.feeds[(source.url, source.rank)]
+        key = (source.url, source.rank)
+        feed = self.feeds[key]
         fd = socket_fd(sub)
         try:
             while True:
+                held = self._held.get(key)
+                if held is not None:
+                    await held.wait()  # a replay is being applied
                 drained = 0
                 while drained < 1000:  # then let other tasks run, and drain on
                     try:
@@ -243,14 +254,14 @@ class KvEvents:
                         feed.probe()
                     continue
                 ask = feed.asks
-                batches = await self._replay(source, dealer, start)
-                if batches is None:
+                frames = await self._replay_frames(source, dealer, start)
+                if frames is None:
                     close(dealer)
                     dealer = self._dealer(endpoint)
                     log.warning("kv events: replay from %s failed (seq %d)", source.key, start)
                     feed.replay_failed(start, ask=ask)
                 else:
-                    feed.replayed(start, batches, ask=ask)
+                    await self._apply_replay(source, start, frames, ask=ask)
                 self._note(source)
         finally:
             close(dealer)
@@ -258,28 +269,45 @@ class KvEvents:
     def _dealer(self, endpoint: str) -> zmq.Socket[bytes]:
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        # vLLM's ROUTER sends a whole replay at once and drops what its peer's pipe cannot
+        # take (a ROUTER never blocks): the default high-water mark (1,000) lost every frame
+        # past it, end marker included, of a replay of a full 10,000-batch buffer.
+        dealer.setsockopt(zmq.RCVHWM, _REPLAY_HWM)
         dealer.connect(endpoint)
         return dealer
 
-    async def _replay(
-        self, source: EventSource, dealer: zmq.Socket[bytes], start: int
-    ) -> list[Batch] | None:
-        """The batches from ``start`` on, or None when the replay failed (module doc)."""
-        frames = await self._replay_frames(source, dealer, start)
-        if frames is None:
-            return None
-        batches: list[Batch] = []
-        for i, (seq, payload) in enumerate(frames):
-            if i % _DECODE_SLICE == _DECODE_SLICE - 1:
-                await trio.lowlevel.checkpoint()
-            try:
-                batch = decode_payload(payload, seq)
-            except MalformedFrame:
-                self.decode_errors[source.key] += 1
-                return None  # a hole in the history: the replay cannot be trusted
-            self.events[source.key] += len(batch.events)
-            batches.append(batch)
-        return batches
+    async def _apply_replay(
+        self, source: EventSource, start: int, frames: deque[tuple[int, bytes]], *, ask: int
+    ) -> None:
+        """Decode and apply a replay's frames a slice at a time (only one slice of decoded
+        batches lives at once), its live batches held back meanwhile (module doc)."""
+        key = (source.url, source.rank)
+        feed = self.feeds[key]
+        ordered = deque(sorted(frames, key=lambda frame: frame[0]))
+        frames.clear()
+        if not feed.replay_begins(start, ordered[0][0] if ordered else None, ask=ask):
+            return
+        self._held[key] = held = trio.Event()
+        try:
+            applied = 0
+            while ordered:
+                seq, payload = ordered.popleft()
+                try:
+                    batch = decode_payload(payload, seq)
+                except MalformedFrame:
+                    self.decode_errors[source.key] += 1
+                    log.warning("kv events: replay from %s holds a malformed frame", source.key)
+                    feed.replay_failed(start, ask=ask)  # a hole: the replay cannot be trusted
+                    return
+                self.events[source.key] += len(batch.events)
+                feed.replay_batch(batch)
+                applied += 1
+                if applied % _DECODE_SLICE == 0:
+                    await trio.lowlevel.checkpoint()
+            feed.replay_ends(start, ask=ask)
+        finally:
+            del self._held[key]
+            held.set()
 
     async def _replay_frames(
         self, source: EventSource, dealer: zmq.Socket[bytes], start: int
