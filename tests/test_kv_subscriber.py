@@ -11,7 +11,7 @@ import trio
 import zmq
 
 from trio_pdrouter.kv_index import block_keys
-from trio_pdrouter.kv_subscriber import EventSource, KvEvents
+from trio_pdrouter.kv_subscriber import MAX_REPLAY_BYTES, EventSource, KvEvents
 from trio_pdrouter.kv_wire import Batch
 from trio_pdrouter_sim.engine import PrefixCache, block_hashes
 from trio_pdrouter_sim.kv_events import KvJournal, serve_replay
@@ -68,18 +68,29 @@ async def ctx() -> AsyncIterator[zmq.Context[zmq.Socket[bytes]]]:
 PROMPTS = [[i] * 8 + list(range(8)) for i in range(6)]
 
 
-async def start(
-    nursery: trio.Nursery, sources: list[EventSource], ctx: zmq.Context[zmq.Socket[bytes]]
+def subscriber(
+    sources: list[EventSource],
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    *,
+    probe_interval_s: float = 0.05,
+    max_replay_bytes: int = MAX_REPLAY_BYTES,
 ) -> KvEvents:
-    events = KvEvents(
+    return KvEvents(
         sources,
         block_size=BS,
         weights={"GPU": 1.0},
         budget=1000,
-        probe_interval_s=0.05,
+        probe_interval_s=probe_interval_s,
         replay_timeout_s=0.3,
+        max_replay_bytes=max_replay_bytes,
         context=ctx,
     )
+
+
+async def start(
+    nursery: trio.Nursery, sources: list[EventSource], ctx: zmq.Context[zmq.Socket[bytes]]
+) -> KvEvents:
+    events = subscriber(sources, ctx)
     await nursery.start(events.run)
     return events
 
@@ -233,15 +244,8 @@ async def test_a_replay_over_its_byte_budget_keeps_its_newest_batches_and_no_fal
     for prompt in PROMPTS:
         engine.prefill(prompt)  # 6 batches; the cache keeps prompts 4 and 5
     sizes = [len(payload) for _seq, payload in engine.journal.buffer]
-    events = KvEvents(
-        [engine.source("http://e", None)],
-        block_size=BS,
-        weights={"GPU": 1.0},
-        budget=1000,
-        probe_interval_s=0.05,
-        replay_timeout_s=0.3,
-        max_replay_bytes=sizes[-1] + sizes[-2],
-        context=ctx,
+    events = subscriber(
+        [engine.source("http://e", None)], ctx, max_replay_bytes=sizes[-1] + sizes[-2]
     )
     async with trio.open_nursery() as nursery:
         nursery.start_soon(serve_replay, engine.router, engine.journal)
@@ -271,15 +275,7 @@ async def test_a_long_replay_is_applied_in_slices_with_live_batches_held_back(
     witness.setsockopt(zmq.SUBSCRIBE, b"")
     witness.connect(f"tcp://127.0.0.1:{engine.pub_port}")
     calls: list[str] = []
-    events = KvEvents(
-        [engine.source("http://e", None)],
-        block_size=BS,
-        weights={"GPU": 1.0},
-        budget=1000,
-        probe_interval_s=60.0,
-        replay_timeout_s=0.3,
-        context=ctx,
-    )
+    events = subscriber([engine.source("http://e", None)], ctx, probe_interval_s=60.0)
     feed = events.feed("http://e", None)
     assert feed is not None
     begins, batch, ends, live = feed.replay_begins, feed.replay_batch, feed.replay_ends, feed.live
