@@ -316,7 +316,7 @@ class KvEvents:
         ``max_replay_bytes`` of them; None without an answer in time (module doc)."""
         fd = socket_fd(dealer)
         frames: deque[tuple[int, bytes]] = deque()
-        held = 0
+        kept = 0  # payload bytes
         timeout = self._replay_timeout_s
         with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
             try:
@@ -345,10 +345,10 @@ class KvEvents:
                 if seq == _END:
                     return frames
                 frames.append((seq, reply[1]))
-                held += len(reply[1])
+                kept += len(reply[1])
                 # The newest frame stays: a replay cut to nothing would read "none published".
-                while held > self._max_replay_bytes and len(frames) > 1:
-                    held -= len(frames.popleft()[1])
+                while kept > self._max_replay_bytes and len(frames) > 1:
+                    kept -= len(frames.popleft()[1])
         return None
 
     def snapshot(self) -> list[dict[str, object]]:
