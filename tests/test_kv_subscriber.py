@@ -414,6 +414,26 @@ async def test_dp_ranks_follow_their_own_endpoints(ctx: zmq.Context[zmq.Socket[b
         nursery.cancel_scope.cancel()
 
 
+async def test_a_replay_of_another_ranks_events_gives_no_credit(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """Endpoints given in the wrong order: rank 1's publisher behind rank 0's source. Its live
+    batches and its replayed ones are refused alike (counted), never credited to rank 0."""
+    engine = Engine(ctx, 1, buffer=100)
+    engine.prefill(PROMPTS[0])  # before the router: only the replay has it
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_replay, engine.router, engine.journal)
+        events = await start(nursery, [engine.source("http://e", 0)], ctx)
+        feed = events.feed("http://e", 0)
+        assert feed is not None
+        await until(lambda: events.decode_errors["http://e@0"] >= 1)
+        engine.prefill(PROMPTS[1])
+        await until(lambda: events.decode_errors["http://e@0"] >= 2)
+        assert len(feed.index) == 0 and not feed.known
+        assert events.events["http://e@0"] == 0
+        nursery.cancel_scope.cancel()
+
+
 def test_the_collector_exposes_each_engines_counts() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 

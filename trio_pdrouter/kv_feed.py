@@ -248,12 +248,17 @@ class Feed:
         asked: int | None = None
         last = self.last_seq
         for batch in pending:
-            if covered and last is not None and batch.seq <= last and self._replay_from is None:
-                applied = self._applied.get(batch.seq)
-                if applied is None or applied == batch.ts:
-                    continue  # the replay delivered it (or it is too old to tell)
-                # Another batch under a seq the replay delivered: the replay was of the
-                # process before a restart, and live() takes this one as the restart it is.
+            if (
+                covered
+                and last is not None
+                and batch.seq <= last
+                and self._replay_from is None
+                and batch.seq not in self._applied
+            ):
+                continue  # the replay delivered it, too long ago to compare timestamps
+            # live() drops a copy of a batch the replay applied (same seq and timestamp) and
+            # takes another batch under such a seq as the restart it is (the replay was of
+            # the process before it).
             again = self.live(batch)
             asked = asked if asked is not None else again
         return asked

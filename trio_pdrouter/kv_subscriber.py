@@ -221,22 +221,33 @@ class KvEvents:
             close(sub)
 
     def _decode(self, source: EventSource, frames: Sequence[bytes]) -> Batch | None:
+        """A live message's batch; None (counted, logged) if malformed or another rank's."""
         try:
             batch = decode_message(frames)
         except MalformedFrame as exc:
-            self.decode_errors[source.key] += 1
-            log.warning("kv events: malformed frame from %s: %s", source.key, exc)
+            self._reject(source, f"malformed frame ({exc})")
             return None
+        return self._accept(source, batch)
+
+    def _decode_replayed(self, source: EventSource, seq: int, payload: bytes) -> Batch | None:
+        """A replayed frame's batch; None as for :meth:`_decode`."""
+        try:
+            batch = decode_payload(payload, seq)
+        except MalformedFrame as exc:
+            self._reject(source, f"malformed replayed frame ({exc})")
+            return None
+        return self._accept(source, batch)
+
+    def _accept(self, source: EventSource, batch: Batch) -> Batch | None:
         if batch.rank is not None and source.rank is not None and batch.rank != source.rank:
-            self.decode_errors[source.key] += 1
-            log.warning(
-                "kv events: %s sent rank %d's events; check the endpoint order",
-                source.key,
-                batch.rank,
-            )
+            self._reject(source, f"rank {batch.rank}'s events (check the endpoint order)")
             return None
         self.events[source.key] += len(batch.events)
         return batch
+
+    def _reject(self, source: EventSource, what: str) -> None:
+        self.decode_errors[source.key] += 1
+        log.warning("kv events: %s from %s", what, source.key)
 
     async def _replays(self, source: EventSource, endpoint: str) -> None:
         feed = self.feeds[(source.url, source.rank)]
@@ -291,15 +302,10 @@ class KvEvents:
         try:
             applied = 0
             while ordered:
-                seq, payload = ordered.popleft()
-                try:
-                    batch = decode_payload(payload, seq)
-                except MalformedFrame:
-                    self.decode_errors[source.key] += 1
-                    log.warning("kv events: replay from %s holds a malformed frame", source.key)
+                batch = self._decode_replayed(source, *ordered.popleft())
+                if batch is None:
                     feed.replay_failed(start, ask=ask)  # a hole: the replay cannot be trusted
                     return
-                self.events[source.key] += len(batch.events)
                 feed.replay_batch(batch)
                 applied += 1
                 if applied % _DECODE_SLICE == 0:
