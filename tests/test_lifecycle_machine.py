@@ -824,7 +824,12 @@ def _push_chunk(target: UpstreamCall) -> None:
 def _push_eof(target: UpstreamCall, complete: bool) -> None:
     assert target.body is not None
     if complete:
-        target.body.push(DONE if target.stream else DECODE_ANSWER[target.sent :])
+        if target.stream:
+            # [DONE] is output too: decode ran the request, so it took the KV blocks.
+            target.body.push(DONE)
+            target.sent += len(DONE)
+        else:
+            target.body.push(DECODE_ANSWER[target.sent :])
     _end(target.body)
 
 
