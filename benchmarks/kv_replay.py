@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 import random
 import resource
-import socket
 import time
 
 import trio
@@ -23,14 +22,10 @@ from trio_pdrouter.kv_subscriber import EventSource, KvEvents
 from trio_pdrouter_sim.engine import PrefixCache, block_hashes
 from trio_pdrouter_sim.kv_events import KvJournal, serve_replay
 
+from .procs import free_port
+
 BLOCK_SIZE = 16
 BATCHES = 10_000
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _peak_mb() -> int:
@@ -45,7 +40,7 @@ def _rss_mb() -> int:
 
 async def main() -> None:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    pub_port, replay_port = _free_port(), _free_port()
+    pub_port, replay_port = free_port(), free_port()
     pub = ctx.socket(zmq.PUB)
     pub.bind(f"tcp://127.0.0.1:{pub_port}")
     router = ctx.socket(zmq.ROUTER)

@@ -250,8 +250,8 @@ class KvEvents:
         log.warning("kv events: %s from %s", what, source.key)
 
     async def _replays(self, source: EventSource, endpoint: str) -> None:
-        feed = self.feeds[(source.url, source.rank)]
         key = (source.url, source.rank)
+        feed = self.feeds[key]
         dealer = self._dealer(endpoint)
         try:
             self._ask(source, feed.probe())
@@ -272,7 +272,7 @@ class KvEvents:
                     log.warning("kv events: replay from %s failed (seq %d)", source.key, start)
                     feed.replay_failed(start, ask=ask)
                 else:
-                    await self._apply_replay(source, start, frames, ask=ask)
+                    await self._apply_replay(source, feed, start, frames, ask=ask)
                 self._note(source)
         finally:
             close(dealer)
@@ -288,12 +288,17 @@ class KvEvents:
         return dealer
 
     async def _apply_replay(
-        self, source: EventSource, start: int, frames: deque[tuple[int, bytes]], *, ask: int
+        self,
+        source: EventSource,
+        feed: Feed,
+        start: int,
+        frames: deque[tuple[int, bytes]],
+        *,
+        ask: int,
     ) -> None:
-        """Decode and apply a replay's frames a slice at a time (only one slice of decoded
-        batches lives at once), its live batches held back meanwhile (module doc)."""
+        """Decode and apply a replay's frames to ``feed`` a slice at a time (only one slice of
+        decoded batches lives at once), its live batches held back meanwhile (module doc)."""
         key = (source.url, source.rank)
-        feed = self.feeds[key]
         ordered = deque(sorted(frames, key=lambda frame: frame[0]))
         frames.clear()
         if not feed.replay_begins(start, ordered[0][0] if ordered else None, ask=ask):
