@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_SECONDS ?= 60
 BENCH_PROFILE ?= quick
 
-.PHONY: venv install lint test demo bench bench-full bench-vllm-router profile clean
+.PHONY: venv install lint test demo bench bench-full bench-typecheck bench-vllm-router profile clean
 
 venv: $(BIN)/python
 
@@ -46,12 +46,16 @@ test: lint
 demo: install
 	$(BIN)/python -m demo --seconds $(DEMO_SECONDS)
 
+# benchmarks/ imports the bench extras, so it is type-checked here rather than in `make test`.
+bench-typecheck: $(VENV)/.bench-installed
+	$(BIN)/mypy --strict benchmarks
+
 # The soak tests marked slow (left out of `make test`) run first.
-bench: $(VENV)/.bench-installed bench-vllm-router
+bench: bench-typecheck bench-vllm-router
 	$(BIN)/pytest -m slow
 	$(BIN)/python -m benchmarks --profile $(BENCH_PROFILE)
 
-bench-full: $(VENV)/.bench-installed bench-vllm-router
+bench-full: bench-typecheck bench-vllm-router
 	$(BIN)/python -m benchmarks --profile full
 
 # The token-paced relay under py-spy: PROFILE_TARGET=ours|floor, PROFILE_MODE=regular|pd, a flame

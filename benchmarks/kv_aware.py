@@ -256,7 +256,7 @@ def _tokenizer_rows(ctx: Context, procs: ProcessSet, client: httpx.Client) -> li
     ]
     if ctx.vllm_router:
         variants.append(("vllm", "cache_aware", "estimate", []))
-    engine = ("ours", "kv_aware", "engine /tokenize", [])
+    engine: tuple[str, str, str, list[str]] = ("ours", "kv_aware", "engine /tokenize", [])
     rows = []
     try:
         for rep in range(int(os.environ.get("BENCH_KV_REPEATS", "1"))):

@@ -79,7 +79,7 @@ def estimate(profile: str) -> float:
 
 def run(ctx: Context) -> dict[str, Any]:
     p = PROFILES[ctx.profile]
-    configs = chosen_configs(CONFIGS, "BENCH_MIXED_CONFIGS", ctx.vllm_router)
+    configs = chosen_configs(CONFIGS, "BENCH_MIXED_CONFIGS", ctx.vllm_router is not None)
     chosen = os.environ.get("BENCH_MIXED_WORKLOADS", "mixed,uniform").split(",")
     repeats = int(os.environ.get("BENCH_MIXED_REPEATS", p["repeats"]))
     result: dict[str, Any] = {
