@@ -123,8 +123,8 @@ class KvEventSettings:
             "kv_aware: tokenize prompts in the router with the engines' tokenizer (a"
             " tokenizer.json, or a model directory with tokenizer.json and tokenizer_config.json"
             " for the chat template) instead of asking an engine's /tokenize per request"
-            " (recommended: that call is a round trip before every routing decision); it"
-            " must be the tokenizer the engines use",
+            " (no round trip before routing; the encode costs router CPU instead); it must be"
+            " the tokenizer the engines use",
             metavar="TOKENIZER_PATH",
         ),
         check=_loadable,
