@@ -72,6 +72,11 @@ class EventSource:
     def key(self) -> str:
         return self.url if self.rank is None else f"{self.url}@{self.rank}"
 
+    @property
+    def engine(self) -> tuple[str, int | None]:
+        """(server URL, DP rank): what the feeds and the policy's view are keyed by."""
+        return self.url, self.rank
+
 
 def attach(sock: zmq.Socket[bytes], endpoint: str) -> None:
     """Bind or connect ``sock`` to ``endpoint`` by the module doc's rule."""
@@ -122,12 +127,10 @@ class KvEvents:
         self._max_replay_bytes = max_replay_bytes
         self._context = context or zmq.Context.instance()
         self.feeds: dict[tuple[str, int | None], Feed] = {
-            (s.url, s.rank): Feed(
-                BlockIndex(block_size, weights, budget), can_replay=s.replay is not None
-            )
+            s.engine: Feed(BlockIndex(block_size, weights, budget), can_replay=s.replay is not None)
             for s in self.sources
         }
-        self._wanted = {(s.url, s.rank): trio.Event() for s in self.sources}
+        self._wanted = {s.engine: trio.Event() for s in self.sources}
         #: Set while a replay is applied to a feed: its live batches wait (module doc).
         self._held: dict[tuple[str, int | None], trio.Event] = {}
         #: Whether each feed was exact when last looked at, to log each change once.
@@ -171,12 +174,12 @@ class KvEvents:
     def _ask(self, source: EventSource, start: int | None) -> None:
         """After the feed took a batch: wake the replay task if it wants a replay."""
         if start is not None:
-            self._wanted[(source.url, source.rank)].set()
+            self._wanted[source.engine].set()
         self._note(source)
 
     def _note(self, source: EventSource) -> None:
         """Log when an engine's index becomes exact or stops being so."""
-        key = (source.url, source.rank)
+        key = source.engine
         feed = self.feeds[key]
         known = feed.known
         if known == self._known[key]:
@@ -195,7 +198,7 @@ class KvEvents:
             )
 
     async def _live(self, source: EventSource, sub: zmq.Socket[bytes]) -> None:
-        key = (source.url, source.rank)
+        key = source.engine
         feed = self.feeds[key]
         fd = socket_fd(sub)
         try:
@@ -250,7 +253,7 @@ class KvEvents:
         log.warning("kv events: %s from %s", what, source.key)
 
     async def _replays(self, source: EventSource, endpoint: str) -> None:
-        key = (source.url, source.rank)
+        key = source.engine
         feed = self.feeds[key]
         dealer = self._dealer(endpoint)
         try:
@@ -298,7 +301,7 @@ class KvEvents:
     ) -> None:
         """Decode and apply a replay's frames to ``feed`` a slice at a time (only one slice of
         decoded batches lives at once), its live batches held back meanwhile (module doc)."""
-        key = (source.url, source.rank)
+        key = source.engine
         ordered = deque(sorted(frames, key=lambda frame: frame[0]))
         frames.clear()
         if not feed.replay_begins(start, ordered[0][0] if ordered else None, ask=ask):
@@ -366,7 +369,7 @@ class KvEvents:
         """``GET /debug/kv-index``: one entry per engine and DP rank."""
         out: list[dict[str, object]] = []
         for source in self.sources:
-            feed = self.feeds[(source.url, source.rank)]
+            feed = self.feeds[source.engine]
             out.append(
                 {
                     "url": source.url,
