@@ -27,23 +27,39 @@ with 64 clients and with one (see :func:`_tokenizer_rows`).
 
 ``python -m benchmarks --only kv_aware`` (``BENCH_KV_PARTS=main`` or ``tokenizer``: one part only;
 ``BENCH_KV_REPEATS=N``: the rows of each part N times, interleaved; the main rows default to
-the profile's repeats, the tokenizer rows to one)
+the profile's repeats, the tokenizer rows to one; ``BENCH_KV_SECONDS``: each row's load, in
+place of the profile's)
+
+``BENCH_KV_PARTS=rounds`` (not run by default): :data:`ROUND_VARIANTS` on the main scenario's
+simulators, one router, in ``BENCH_KV_ROUNDS`` rounds (6) for each of ``BENCH_KV_WORKERS``
+(``1,2``: one process, then ``--workers 2``), the variants' order rotated from round to round.
+What one row says is within what identical configurations differ by on a shared 2-core host
+(README), so each ``kv_aware`` variant is judged by its pairs with the ``cache_aware`` row of
+the same round: the median TTFT p99 ratio, how many pairs came in under 1, the sign test's
+two-sided p-value, and the median hit-rate difference (:func:`_pairs`). ``BENCH_KV_VARIANTS``
+picks some of them by index (the reference first); ``BENCH_KV_CHECKOUT=DIR`` adds a
+``kv_aware`` variant run from another checkout (a candidate change) with the flags in
+``BENCH_KV_CHECKOUT_FLAGS``.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import random
+import re
+import shlex
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from trio_pdrouter_sim.tokenizer_files import write_model_dir
 
-from .common import Context, percentile
+from .common import Context, median, percentile
 from .loadgen import prompt_text
-from .procs import LoadRun, ProcessSet, Service, start_router, start_sim
+from .procs import ROOT, LoadRun, ProcessSet, Service, start_router, start_sim
 
 PROFILES = {"quick": {"seconds": 12, "repeats": 1}, "full": {"seconds": 40, "repeats": 2}}
 CLIENTS = 64
@@ -61,9 +77,22 @@ ONE_HOT_GROUP = [
 ]  # fmt: skip
 
 
+#: The ``rounds`` part's configurations: (label, prefill policy, extra router flags); the first
+#: is the reference every other is paired with.
+ROUND_VARIANTS: list[tuple[str, str, list[str]]] = [
+    ("cache_aware", "cache_aware", []),
+    ("kv_aware", "kv_aware", []),
+    ("kv_aware, prefill load in tokens", "kv_aware", ["--prefill-load-metric", "tokens"]),
+]
+
+
 def estimate(profile: str) -> float:
     p = PROFILES[profile]
     return float(p["repeats"] * 8 * (p["seconds"] + 8) + 60)
+
+
+def _seconds(ctx: Context) -> int:
+    return int(os.environ.get("BENCH_KV_SECONDS", PROFILES[ctx.profile]["seconds"]))
 
 
 def _prefill_flags(cache_blocks: int = 190, per_token_s: float = 0.0001) -> list[str]:
@@ -92,6 +121,18 @@ def _hits(client: httpx.Client, prefill: list[Service]) -> tuple[int, int]:
     return hits, queries
 
 
+_DECISION = re.compile(
+    r'^trio_pdrouter_policy_decisions_total\{reason="([a-z_]+)",stage="prefill"\} ([0-9.e+]+)$',
+    re.M,
+)
+
+
+def _prefill_decisions(client: httpx.Client, router: Service) -> dict[str, int]:
+    """The router's prefill decisions by reason, from its ``/metrics``."""
+    text = client.get(router.url + "/metrics").text
+    return {reason: int(float(n)) for reason, n in _DECISION.findall(text)}
+
+
 def _router_flags(kind: str, policy: str, prefill: list[Service], decode: Service) -> list[str]:
     flags = ["--vllm-pd-disaggregation"]
     for sim in prefill:
@@ -113,6 +154,7 @@ def _one(
     extra: Sequence[str] = (),
     clients: int = CLIENTS,
     load: Sequence[str] = (),
+    checkout: Path = ROOT,
 ) -> dict[str, Any]:
     prefill, decode = sims
     for sim in [*prefill, decode]:
@@ -122,8 +164,11 @@ def _one(
         flags += _sources(client, prefill)
     if workers > 1:
         flags += ["--workers", str(workers)]
-    routers = [start_router(procs, f"{kind}-{policy}-{i}", kind, flags) for i in range(replicas)]
-    seconds = str(PROFILES[ctx.profile]["seconds"])
+    routers = [
+        start_router(procs, f"{kind}-{policy}-{i}", kind, flags, cwd=checkout)
+        for i in range(replicas)
+    ]
+    seconds = str(_seconds(ctx))
     try:
         runs = [
             LoadRun(
@@ -138,6 +183,7 @@ def _one(
         ]
         results = [run.wait(timeout=float(seconds) + 120) for run in runs]
         hits, queries = _hits(client, prefill)
+        decisions = _prefill_decisions(client, routers[0]) if kind == "ours" else {}
     finally:
         for r in routers:
             procs.stop(r)
@@ -156,6 +202,8 @@ def _one(
         "ttfb_p99_ms": percentile(ttfb, 0.99) * 1000,
         "req_per_s": sum(res["ok"] for res in results) / window if window else 0.0,
         "failed": sum(res["failed"] for res in results),
+        # Why the first router chose (with --workers N, the one worker that answered).
+        "prefill_decisions": decisions,
         # Router CPU per request over the window (one router only): what exactness costs.
         "router_cpu_ms_per_req": cpu / results[0]["ok"] * 1000
         if cpu and results[0]["ok"]
@@ -287,6 +335,76 @@ def _tokenizer_rows(ctx: Context, procs: ProcessSet, client: httpx.Client) -> li
     return rows
 
 
+def _rounds(
+    ctx: Context, procs: ProcessSet, client: httpx.Client, sims: tuple[list[Service], Service]
+) -> dict[str, Any]:
+    """:data:`ROUND_VARIANTS` in interleaved rounds, each paired with the reference's row of
+    the same round and process count (module doc)."""
+    chosen = os.environ.get("BENCH_KV_VARIANTS", ",".join(map(str, range(len(ROUND_VARIANTS)))))
+    variants = [(*ROUND_VARIANTS[int(i)], ROOT) for i in chosen.split(",")]
+    other = os.environ.get("BENCH_KV_CHECKOUT")
+    if other:
+        flags = shlex.split(os.environ.get("BENCH_KV_CHECKOUT_FLAGS", ""))
+        variants.append((f"kv_aware ({other} {shlex.join(flags)})", "kv_aware", flags, Path(other)))
+    rows = []
+    for rnd in range(int(os.environ.get("BENCH_KV_ROUNDS", "6"))):
+        for workers in [int(w) for w in os.environ.get("BENCH_KV_WORKERS", "1,2").split(",")]:
+            turn = rnd % len(variants)
+            for label, policy, extra, checkout in variants[turn:] + variants[:turn]:
+                ctx.progress.phase(f"round {rnd + 1}: {label}, --workers {workers}")
+                row = _one(
+                    ctx, procs, client, sims, "ours", policy, 1, workers,
+                    extra=extra, checkout=checkout,
+                )  # fmt: skip
+                rows.append({**row, "variant": label, "round": rnd + 1})
+    return {"rows": rows, "pairs": _pairs(rows, [v[0] for v in variants])}
+
+
+def _pairs(rows: list[dict[str, Any]], labels: list[str]) -> list[dict[str, Any]]:
+    """Per process count and variant (``labels``, the reference first): its rows against the
+    reference's of the same round."""
+    reference = labels[0]
+    by = {(r["workers"], r["variant"], r["round"]): r for r in rows}
+    out = []
+    for workers in sorted({r["workers"] for r in rows}):
+        for label in labels:
+            pairs = [
+                (by[(workers, label, rnd)], by[(workers, reference, rnd)])
+                for (w, v, rnd) in by
+                if w == workers and v == label and (workers, reference, rnd) in by
+            ]
+            ratios = [a["ttfb_p99_ms"] / b["ttfb_p99_ms"] for a, b in pairs]
+            under = sum(r < 1 for r in ratios)
+            out.append(
+                {
+                    "workers": workers,
+                    "variant": label,
+                    "rounds": len(pairs),
+                    "hit_rate": median([a["hit_rate"] for a, _b in pairs]),
+                    "ttfb_p99_ms": median([a["ttfb_p99_ms"] for a, _b in pairs]),
+                    "ttfb_p50_ms": median([a["ttfb_p50_ms"] for a, _b in pairs]),
+                    "req_per_s": median([a["req_per_s"] for a, _b in pairs]),
+                    "p99_ratios": ratios,
+                    "p99_ratio_median": median(ratios),
+                    "pairs_under_1": under,
+                    "sign_test_p": _sign_test(under, len(ratios)) if label != reference else None,
+                    "hit_diff_points_median": median(
+                        [(a["hit_rate"] - b["hit_rate"]) * 100 for a, b in pairs]
+                    ),
+                }
+            )
+    return out
+
+
+def _sign_test(successes: int, n: int) -> float:
+    """Two-sided p-value of ``successes`` of ``n`` fair coin flips (1.0 for no flips)."""
+    if n == 0:
+        return 1.0
+    tail = min(successes, n - successes)
+    p: float = 2 * sum(math.comb(n, k) for k in range(tail + 1)) / 2**n
+    return min(p, 1.0)
+
+
 def run(ctx: Context) -> dict[str, Any]:
     p = PROFILES[ctx.profile]
     parts = os.environ.get("BENCH_KV_PARTS", "main,tokenizer").split(",")
@@ -301,7 +419,7 @@ def run(ctx: Context) -> dict[str, Any]:
     try:
         if "tokenizer" in parts:
             result["tokenizer"] = _tokenizer_rows(ctx, procs, client)
-        if "main" not in parts:
+        if "main" not in parts and "rounds" not in parts:
             return result
         ctx.progress.phase("starting simulators")
         prefill = [start_sim(procs, f"sim-prefill-{i}", *_prefill_flags()) for i in range(2)]
@@ -309,6 +427,10 @@ def run(ctx: Context) -> dict[str, Any]:
             procs, "sim-decode", "--role", "decode", "--fast", "--itl-base-s", "0.02"
         )
         sims = (prefill, decode)
+        if "rounds" in parts:
+            result["rounds"] = _rounds(ctx, procs, client, sims)
+        if "main" not in parts:
+            return result
         # First, while the engines' replay buffers still reach back to seq 0.
         ctx.progress.phase("restart in front of warm engines")
         result["restart"] = [
