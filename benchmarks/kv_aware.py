@@ -82,7 +82,8 @@ ONE_HOT_GROUP = [
 ROUND_VARIANTS: list[tuple[str, str, list[str]]] = [
     ("cache_aware", "cache_aware", []),
     ("kv_aware", "kv_aware", []),
-    ("kv_aware, prefill load in tokens", "kv_aware", ["--prefill-load-metric", "tokens"]),
+    # kv_aware's default until 2026-12-05.
+    ("kv_aware, prefill load in requests", "kv_aware", ["--prefill-load-metric", "requests"]),
 ]
 
 

@@ -74,19 +74,19 @@ def test_the_engine_holding_the_longest_prefix_wins_over_a_little_load() -> None
 def test_with_token_loads_a_hit_wins_until_the_loads_are_unbalanced() -> None:
     view = View()
     view.store(EPS[1], 6)  # 6 of the prompt's 8 blocks: 24 of 32 tokens cached
-    policy = make(view, load_metric="tokens")
+    policy = make(view, load_metric="tokens")  # --balance-token-threshold 0
     key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
     assert policy.uncached_tokens(EPS, key) == {EPS[0]: 32, EPS[1]: 8, EPS[2]: 32}
     # Loads are the tokens queued plus this request's uncached tokens there (routing's sum).
-    # 300 on EPS[1] against 132: over 1.5 times, but 168 more is less than 6 prompts (192).
-    assert policy.choose(EPS, {EPS[0]: 100 + 32, EPS[1]: 292 + 8, EPS[2]: 100 + 32}, key) == EPS[1]
+    # 198 on EPS[1] against 132: not over 1.5 times, so the hit wins.
+    assert policy.choose(EPS, {EPS[0]: 100 + 32, EPS[1]: 190 + 8, EPS[2]: 100 + 32}, key) == EPS[1]
     assert policy.last.reason == "kv_hit"
-    # 330: 198 more, past both, and the least loaded then finishes this prefill first.
-    assert policy.choose(EPS, {EPS[0]: 100 + 32, EPS[1]: 322 + 8, EPS[2]: 100 + 32}, key) != EPS[1]
+    # 200: over 1.5 times, and the least loaded then finishes this prefill first.
+    assert policy.choose(EPS, {EPS[0]: 100 + 32, EPS[1]: 192 + 8, EPS[2]: 100 + 32}, key) != EPS[1]
     assert policy.last.reason == "unbalanced"
-    # A --balance-token-threshold above 6 prompts counts instead.
-    wide = make(view, load_metric="tokens", balance_token_threshold=500)
-    assert wide.choose(EPS, {EPS[0]: 100 + 32, EPS[1]: 322 + 8, EPS[2]: 100 + 32}, key) == EPS[1]
+    # --balance-token-threshold is the absolute part of the test, as in cache_aware.
+    wide = make(view, load_metric="tokens", balance_token_threshold=100)
+    assert wide.choose(EPS, {EPS[0]: 100 + 32, EPS[1]: 192 + 8, EPS[2]: 100 + 32}, key) == EPS[1]
 
 
 def test_between_balanced_loads_the_larger_hit_wins_and_load_decides_between_equal_ones() -> None:
@@ -153,6 +153,19 @@ def test_hits_in_flight_do_not_push_the_next_request_off_the_engine_holding_its_
     # still finds EPS[1] the quickest (8 + 8 + 8 against 32 elsewhere).
     chosen = [routing.lease_one(Role.PREFILL, key)[1] for _ in range(3)]
     assert chosen == [EPS[1]] * 3 and ledger.token_load(EPS[1]) == 24
+
+
+def test_requests_following_a_miss_home_are_charged_what_the_estimate_says_it_lacks() -> None:
+    routing, ledger = prefill_routing(View())  # the index holds nothing anywhere
+    key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
+    first = routing.lease_one(Role.PREFILL, key)[1]
+    assert ledger.token_load(first) == 32  # no home yet: the whole prompt
+    # Until its blocks are stored, a request with the same prompt finds no block anywhere; it
+    # would queue behind the first at home and find them there, so home is charged as a hit.
+    assert routing.weights(Role.PREFILL, EPS, key) == {e: 0 if e == first else 32 for e in EPS}
+    # 32 + 0 at home against 0 + 32 elsewhere: balanced, so it follows the first.
+    assert routing.lease_one(Role.PREFILL, key)[1] == first
+    assert ledger.token_load(first) == 32
 
 
 def test_an_evicted_prefix_earns_nothing() -> None:

@@ -105,13 +105,9 @@ def test_default_metrics_are_tokens_on_prefill_and_requests_elsewhere() -> None:
     swapped = [*pd, "--decode-load-metric", "tokens", "--prefill-load-metric", "requests"]
     assert parse_config(swapped).token_roles() == [Role.DECODE]
     assert parse_config(["--worker-urls", "http://w:1"]).token_roles() == []
-    # kv_aware counts requests unless told otherwise (measured: README), and its estimated
-    # tree reads loads in the same metric as its score.
+    # kv_aware too (it counted requests until measured otherwise: README).
     kv = [*pd, "--prefill-policy", "kv_aware"]
-    assert parse_config(kv).token_roles() == []
-    assert parse_config([*kv, "--prefill-load-metric", "tokens"]).token_roles() == [Role.PREFILL]
-    settings = parse_config(kv).policy_settings
-    assert settings.stage_load_metric("prefill", "kv_aware") == "requests"
-    assert settings.stage_load_metric("prefill", "cache_aware") == "tokens"
+    assert parse_config(kv).token_roles() == [Role.PREFILL]
+    assert parse_config([*kv, "--prefill-load-metric", "requests"]).token_roles() == []
     with pytest.raises(SystemExit):
         parse_config([*pd, "--load-metric", "bytes"])

@@ -415,11 +415,7 @@ class RouterConfig:
     def token_roles(self) -> list[Role]:
         """The roles whose load metric is ``tokens``."""
         metric = self.policy_settings.stage_load_metric
-        return [
-            role
-            for role in self.servers()
-            if metric(role.value, self.stage_policy(role)) == "tokens"
-        ]
+        return [role for role in self.servers() if metric(role.value) == "tokens"]
 
     def servers(self) -> dict[Role, tuple[str, ...]]:
         """The server URLs of each role of this mode, as given."""

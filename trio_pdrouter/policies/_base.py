@@ -92,7 +92,8 @@ class PolicySettings:
         Flag(
             "--balance-token-threshold",
             Group.ROUTING_POLICY,
-            "cache_aware on a stage whose load metric is tokens: --balance-abs-threshold in"
+            "cache_aware and kv_aware on a stage whose load metric is tokens:"
+            " --balance-abs-threshold in"
             " tokens (the loads include the request's own uncached tokens, so the least loaded"
             " candidate is already the cheapest including cache hits)",
             type=int,
@@ -106,9 +107,8 @@ class PolicySettings:
             Group.ROUTING_POLICY,
             "the load power_of_two, cache_aware and the least-loaded choice compare on every"
             " stage: in-flight requests, or their token weights (prefill: uncached prompt"
-            " tokens; decode: prompt + max_tokens). Default: tokens on a cache_aware or"
-            " power_of_two prefill, requests on kv_aware stages, decode and regular workers"
-            " (measured: README)",
+            " tokens; decode: prompt + max_tokens). Default: tokens on prefill, requests on"
+            " decode and regular workers (measured: README)",
             choices=LOAD_METRICS,
         ),
     )
@@ -182,19 +182,17 @@ class PolicySettings:
     )
     virtual_nodes: int = 160
 
-    def stage_load_metric(self, stage: str, policy: str) -> str:
-        """The load metric of ``stage`` ("prefill", "decode" or "regular") under ``policy``:
-        its own flag, else ``--load-metric``, else tokens for prefill and requests for the
-        others, but requests for ``kv_aware``: under cache pressure (``python -m benchmarks
-        --only kv_aware``, README) its score by token load gave 4-5 points fewer prefix hits
-        than by requests, which were on par with ``cache_aware``'s."""
+    def stage_load_metric(self, stage: str) -> str:
+        """The load metric of ``stage`` ("prefill", "decode" or "regular"): its own flag, else
+        ``--load-metric``, else tokens for prefill and requests for the others (``kv_aware``
+        counted prefill requests until 2026-12-05; see :mod:`.kv_aware`)."""
         if stage == "prefill" and self.prefill_load_metric:
             return self.prefill_load_metric
         if stage == "decode" and self.decode_load_metric:
             return self.decode_load_metric
         if self.load_metric:
             return self.load_metric
-        return "tokens" if stage == "prefill" and policy != "kv_aware" else "requests"
+        return "tokens" if stage == "prefill" else "requests"
 
 
 @attrs.frozen(eq=False)

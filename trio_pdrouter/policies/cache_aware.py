@@ -86,10 +86,7 @@ class CacheAware:
         stage: str,
         on_decision: DecisionObserver,
         feed: InsertFeed | None = None,
-        for_policy: str | None = None,
     ) -> None:
-        """``for_policy``: the stage's policy when this one is its estimate (``kv_aware``), so
-        both read loads in the same metric."""
         self._settings = settings
         self._rng = rng
         self._stage = stage
@@ -103,7 +100,7 @@ class CacheAware:
         #: What :meth:`uncached_tokens` read of the tree for a key and candidates, which the
         #: :meth:`choose` that follows it in the same synchronous step uses instead of a walk.
         self._read: tuple[RoutingKey, Sequence[Endpoint], int, Endpoint | None] | None = None
-        tokens = settings.stage_load_metric(stage, for_policy or self.name) == "tokens"
+        tokens = settings.stage_load_metric(stage) == "tokens"
         self._abs_threshold = (
             settings.balance_token_threshold if tokens else settings.balance_abs_threshold
         )

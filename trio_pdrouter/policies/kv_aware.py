@@ -2,9 +2,9 @@
 
 Per decision, over the candidates:
 
-* unbalanced loads (``cache_aware``'s test on ``--balance-abs-threshold`` and
-  ``--balance-rel-threshold``; with token loads see below): the least-loaded candidate, as
-  ``cache_aware`` does;
+* unbalanced loads (``cache_aware``'s test on ``--balance-abs-threshold``, or
+  ``--balance-token-threshold`` with token loads, and ``--balance-rel-threshold``): the
+  least-loaded candidate, as ``cache_aware`` does;
 * no token ids for the request (``/tokenize`` failed or was not needed): ``cache_aware``'s
   decision over its estimated tree;
 * otherwise each candidate's *hit* is the share of the prompt's full blocks it holds as a
@@ -26,16 +26,23 @@ Per decision, over the candidates:
   Measured under cache pressure (``python -m benchmarks --only kv_aware``): trading hit against
   load inside the balance thresholds (score = hit - (load - min_load) / scale) left hits for
   the least loaded engine; with one router it gave TTFT p99 1.16-1.41x that of ``cache_aware``
-  (whose hit wins until the loads are unbalanced), this rule 1.08-1.17x at the same hit rate,
-  the rest being the ``/tokenize`` call per request (README). Counting tokens (``--load-metric
-  tokens``), the unbalanced test's absolute part is the larger of ``--balance-token-threshold`` and
-  :data:`HELD_PROMPTS` times the prompt's tokens (a hit keeps its engine until that engine is
-  several prompts' work behind). A candidate's token load is the uncached tokens in flight
-  there plus this request's uncached tokens there (which routing charges from
-  :meth:`KvAware.uncached_tokens`: the prompt past the blocks credited), so once loads are
-  unbalanced the least loaded candidate is also the one that finishes this prefill first. With
-  ``--router-temperature`` 0 the best score wins (ties at random); above 0 the choice is drawn
-  with probabilities softmax(score / temperature).
+  (whose hit wins until the loads are unbalanced), this rule 1.08-1.17x at the same hit rate
+  (README).
+
+Prefill load is in tokens by default (:meth:`~._base.PolicySettings.stage_load_metric`): a
+candidate's load is the uncached tokens in flight there plus this request's uncached tokens
+there, which routing charges from :meth:`KvAware.uncached_tokens` (the prompt past the blocks
+credited, and on a miss everywhere past the home's share), so once loads are unbalanced the
+least loaded candidate is also the one that finishes this prefill first. Measured under cache
+pressure in interleaved rounds, each paired with ``cache_aware`` (``BENCH_KV_PARTS=rounds python
+-m benchmarks --only kv_aware``, README): counting requests (the default until 2026-12-05),
+``kv_aware`` never found the loads unbalanced; its TTFT p99 ratio and this rule's were alike
+(medians 1.15 and 1.16 with one router, 28 and 18 pairs), this rule 0.4 points closer in
+hits; counting tokens against a threshold of six prompts without the home's credit gave 0.91
+but 5 points fewer hits.
+
+With ``--router-temperature`` 0 the best score wins (ties at random); above 0 the choice is
+drawn with probabilities softmax(score / temperature).
 
 With ``--kv-aware-session-affinity-ttl-secs`` (decode and regular stages only), a request whose
 session is bound to a candidate that is not overloaded goes there first (reason ``session``;
@@ -61,12 +68,6 @@ from ._base import DecisionObserver, PolicySettings, RoutingKey
 from ._choice import least_loaded
 from .cache_aware import CacheAware, InsertFeed
 from .session_affinity import SessionTable, overloaded
-
-#: With token loads, a hit is kept until the loads differ by more than this many of the
-#: request's prompts (and ``--balance-rel-threshold``). Measured under cache pressure
-#: (``python -m benchmarks --only kv_aware``, ~530-token prompts): a threshold of 1,000 tokens
-#: gave 47 % prefix hits, 3,000 gave 51 %, where ``cache_aware`` gave 49.5 % (README).
-HELD_PROMPTS = 6
 
 #: Between balanced loads, load only decides between equal hits: its part of a score is at
 #: most this share of one block's.
@@ -95,8 +96,11 @@ class KvDecision:
         return f"{self.blocks}/{self.total_blocks};{'known' if self.known else 'estimate'}"
 
 
-#: A key, its block keys, and each candidate's (hit share, blocks credited, known).
-_Read = tuple[RoutingKey, list[int], dict[Endpoint, tuple[float, int, bool]]]
+#: A key, its block keys, each candidate's (hit share, blocks credited, known), and on a miss
+#: everywhere each candidate's home share (:meth:`KvAware._homes`).
+_Read = tuple[
+    RoutingKey, list[int], dict[Endpoint, tuple[float, int, bool]], dict[Endpoint, float] | None
+]
 
 
 class KvAware:
@@ -127,9 +131,11 @@ class KvAware:
             stage=stage,
             on_decision=lambda _s, _r: None,
             feed=feed,
-            for_policy=self.name,
         )
-        self._by_tokens = settings.stage_load_metric(stage, self.name) == "tokens"
+        self._by_tokens = settings.stage_load_metric(stage) == "tokens"
+        self._abs_threshold = (
+            settings.balance_token_threshold if self._by_tokens else settings.balance_abs_threshold
+        )
         self.last = KvDecision(0, 0, False, "none")
         #: The hits :meth:`uncached_tokens` read for a key, which the :meth:`choose` that
         #: follows it in the same synchronous step uses instead of reading the index again.
@@ -173,16 +179,14 @@ class KvAware:
         s = self._settings
         values = [loads.get(c, 0) for c in candidates]
         max_load, min_load = max(values), min(values)
-        if self._by_tokens:
-            threshold = max(s.balance_token_threshold, HELD_PROMPTS * key.prompt_tokens)
-        else:
-            threshold = s.balance_abs_threshold
         unbalanced = (
-            max_load - min_load > threshold and max_load > min_load * s.balance_rel_threshold
+            max_load - min_load > self._abs_threshold
+            and max_load > min_load * s.balance_rel_threshold
         )
         read, self._read = self._read, None
+        homes: dict[Endpoint, float] | None = None
         if read is not None and read[0] is key:
-            keys, hits = read[1], read[2]
+            keys, hits, homes = read[1], read[2], read[3]
         else:
             keys, hits = block_keys(key.tokens, view.block_size), {}
         if unbalanced:
@@ -198,7 +202,9 @@ class KvAware:
             seen.append((blocks, known))
             shares.append(hit)
         if key.text and not any(blocks for blocks, _known in seen):
-            shares = self._homes(candidates, key.text)
+            if homes is None:
+                homes = dict(zip(candidates, self._homes(candidates, key.text), strict=True))
+            shares = [homes.get(c, 0.0) for c in candidates]
         # Load breaks ties only: its term stays below TIE_BREAK of one block's share.
         tie = TIE_BREAK / (len(keys) + 1) / max(max_load - min_load, 1)
         floor = s.cache_threshold
@@ -223,17 +229,24 @@ class KvAware:
         self, candidates: Sequence[Endpoint], key: RoutingKey
     ) -> dict[Endpoint, int]:
         """The prompt tokens each candidate would compute: those past the blocks its hit
-        credits (the estimate's count when the request has no token ids)."""
+        credits, on a miss everywhere those past the home's share (as its hit in
+        :meth:`choose`: requests that follow the one bringing the prefix back queue behind it
+        and find its blocks stored), and the estimate's count when the request has no token
+        ids."""
         view = self._view
         if view is None or key.tokens is None:
             return self.estimate.uncached_tokens(candidates, key)
         keys = block_keys(key.tokens, view.block_size)
         hits = {candidate: self._hit(candidate, key, keys) for candidate in candidates}
-        self._read = (key, keys, hits)
+        shares = {candidate: hit for candidate, (hit, _blocks, _known) in hits.items()}
+        homes = None
+        if key.text and not any(blocks for _hit, blocks, _known in hits.values()):
+            homes = shares = dict(zip(candidates, self._homes(candidates, key.text), strict=True))
+        self._read = (key, keys, hits, homes)
         cached_per_hit = len(keys) * view.block_size
         return {
-            candidate: max(key.prompt_tokens - round(hit * cached_per_hit), 0)
-            for candidate, (hit, _blocks, _known) in hits.items()
+            candidate: max(key.prompt_tokens - round(share * cached_per_hit), 0)
+            for candidate, share in shares.items()
         }
 
     def _hit(
