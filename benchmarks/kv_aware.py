@@ -89,11 +89,16 @@ ROUND_VARIANTS: list[tuple[str, str, list[str]]] = [
 
 def estimate(profile: str) -> float:
     p = PROFILES[profile]
-    return float(p["repeats"] * 8 * (p["seconds"] + 8) + 60)
+    seconds = _seconds(profile)
+    total = float(p["repeats"] * 8 * (seconds + 8) + 60)
+    if "rounds" in os.environ.get("BENCH_KV_PARTS", ""):
+        rows = len(os.environ.get("BENCH_KV_WORKERS", "1,2").split(",")) * len(ROUND_VARIANTS)
+        total += int(os.environ.get("BENCH_KV_ROUNDS", "6")) * rows * (seconds + 5)
+    return total
 
 
-def _seconds(ctx: Context) -> int:
-    return int(os.environ.get("BENCH_KV_SECONDS", PROFILES[ctx.profile]["seconds"]))
+def _seconds(profile: str) -> int:
+    return int(os.environ.get("BENCH_KV_SECONDS", PROFILES[profile]["seconds"]))
 
 
 def _prefill_flags(cache_blocks: int = 190, per_token_s: float = 0.0001) -> list[str]:
@@ -169,7 +174,7 @@ def _one(
         start_router(procs, f"{kind}-{policy}-{i}", kind, flags, cwd=checkout)
         for i in range(replicas)
     ]
-    seconds = str(_seconds(ctx))
+    seconds = str(_seconds(ctx.profile))
     try:
         runs = [
             LoadRun(
