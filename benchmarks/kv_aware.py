@@ -92,13 +92,19 @@ def estimate(profile: str) -> float:
     seconds = _seconds(profile)
     total = float(p["repeats"] * 8 * (seconds + 8) + 60)
     if "rounds" in os.environ.get("BENCH_KV_PARTS", ""):
-        rows = len(os.environ.get("BENCH_KV_WORKERS", "1,2").split(",")) * len(ROUND_VARIANTS)
-        total += int(os.environ.get("BENCH_KV_ROUNDS", "6")) * rows * (seconds + 5)
+        rounds, workers = _round_plan()
+        total += rounds * len(workers) * len(ROUND_VARIANTS) * (seconds + 5)
     return total
 
 
 def _seconds(profile: str) -> int:
     return int(os.environ.get("BENCH_KV_SECONDS", PROFILES[profile]["seconds"]))
+
+
+def _round_plan() -> tuple[int, list[int]]:
+    """The ``rounds`` part's round count and process counts (module doc)."""
+    workers = [int(w) for w in os.environ.get("BENCH_KV_WORKERS", "1,2").split(",")]
+    return int(os.environ.get("BENCH_KV_ROUNDS", "6")), workers
 
 
 def _prefill_flags(cache_blocks: int = 190, per_token_s: float = 0.0001) -> list[str]:
@@ -353,8 +359,9 @@ def _rounds(
         flags = shlex.split(os.environ.get("BENCH_KV_CHECKOUT_FLAGS", ""))
         variants.append((f"kv_aware ({other} {shlex.join(flags)})", "kv_aware", flags, Path(other)))
     rows = []
-    for rnd in range(int(os.environ.get("BENCH_KV_ROUNDS", "6"))):
-        for workers in [int(w) for w in os.environ.get("BENCH_KV_WORKERS", "1,2").split(",")]:
+    rounds, plan = _round_plan()
+    for rnd in range(rounds):
+        for workers in plan:
             turn = rnd % len(variants)
             for label, policy, extra, checkout in variants[turn:] + variants[:turn]:
                 ctx.progress.phase(f"round {rnd + 1}: {label}, --workers {workers}")
@@ -376,8 +383,8 @@ def _pairs(rows: list[dict[str, Any]], labels: list[str]) -> list[dict[str, Any]
         for label in labels:
             pairs = [
                 (by[(workers, label, rnd)], by[(workers, reference, rnd)])
-                for (w, v, rnd) in by
-                if w == workers and v == label and (workers, reference, rnd) in by
+                for rnd in sorted({r["round"] for r in rows})
+                if (workers, label, rnd) in by and (workers, reference, rnd) in by
             ]
             ratios = [a["ttfb_p99_ms"] / b["ttfb_p99_ms"] for a, b in pairs]
             under = sum(r < 1 for r in ratios)

@@ -93,9 +93,9 @@ class PolicySettings:
             "--balance-token-threshold",
             Group.ROUTING_POLICY,
             "cache_aware and kv_aware on a stage whose load metric is tokens:"
-            " --balance-abs-threshold in"
-            " tokens (the loads include the request's own uncached tokens, so the least loaded"
-            " candidate is already the cheapest including cache hits)",
+            " --balance-abs-threshold in tokens (the loads include the request's own uncached"
+            " tokens, so the least loaded candidate is already the cheapest including cache"
+            " hits)",
             type=int,
         ),
         check=must(lambda n: n >= 0, "must be 0 or more"),
@@ -105,9 +105,9 @@ class PolicySettings:
         Flag(
             "--load-metric",
             Group.ROUTING_POLICY,
-            "the load power_of_two, cache_aware and the least-loaded choice compare on every"
-            " stage: in-flight requests, or their token weights (prefill: uncached prompt"
-            " tokens; decode: prompt + max_tokens). Default: tokens on prefill, requests on"
+            "the load power_of_two, cache_aware, kv_aware and the least-loaded choice compare"
+            " on every stage: in-flight requests, or their token weights (prefill: uncached"
+            " prompt tokens; decode: prompt + max_tokens). Default: tokens on prefill, requests on"
             " decode and regular workers (measured: README)",
             choices=LOAD_METRICS,
         ),

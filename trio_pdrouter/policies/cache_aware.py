@@ -147,6 +147,13 @@ class CacheAware:
         chars = len(key.text)
         return {ep: uncached(key.prompt_tokens, held[ep], chars) for ep in candidates}
 
+    def unbalanced(self, max_load: int, min_load: int) -> bool:
+        """The balance test of the module doc, on the stage's load metric."""
+        return (
+            max_load - min_load > self._abs_threshold
+            and max_load > min_load * self._settings.balance_rel_threshold
+        )
+
     def choose(
         self, candidates: Sequence[Endpoint], loads: Mapping[Endpoint, int], key: RoutingKey
     ) -> Endpoint:
@@ -154,10 +161,7 @@ class CacheAware:
         self._learn()
         values = [loads.get(c, 0) for c in candidates]
         max_load, min_load = max(values), min(values)
-        is_unbalanced = (
-            max_load - min_load > self._abs_threshold
-            and max_load > min_load * s.balance_rel_threshold
-        )
+        is_unbalanced = self.unbalanced(max_load, min_load)
         text = key.text
         match_rate = 0.0
         matched: Endpoint | None = None

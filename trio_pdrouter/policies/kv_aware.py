@@ -133,9 +133,6 @@ class KvAware:
             feed=feed,
         )
         self._by_tokens = settings.stage_load_metric(stage) == "tokens"
-        self._abs_threshold = (
-            settings.balance_token_threshold if self._by_tokens else settings.balance_abs_threshold
-        )
         self.last = KvDecision(0, 0, False, "none")
         #: The hits :meth:`uncached_tokens` read for a key, which the :meth:`choose` that
         #: follows it in the same synchronous step uses instead of reading the index again.
@@ -179,10 +176,7 @@ class KvAware:
         s = self._settings
         values = [loads.get(c, 0) for c in candidates]
         max_load, min_load = max(values), min(values)
-        unbalanced = (
-            max_load - min_load > self._abs_threshold
-            and max_load > min_load * s.balance_rel_threshold
-        )
+        unbalanced = self.estimate.unbalanced(max_load, min_load)
         read, self._read = self._read, None
         homes: dict[Endpoint, float] | None = None
         if read is not None and read[0] is key:
@@ -202,9 +196,9 @@ class KvAware:
             seen.append((blocks, known))
             shares.append(hit)
         if key.text and not any(blocks for blocks, _known in seen):
-            if homes is None:
-                homes = dict(zip(candidates, self._homes(candidates, key.text), strict=True))
-            shares = [homes.get(c, 0.0) for c in candidates]
+            if homes is None or any(c not in homes for c in candidates):
+                homes = self._homes(candidates, key.text)
+            shares = [homes[c] for c in candidates]
         # Load breaks ties only: its term stays below TIE_BREAK of one block's share.
         tie = TIE_BREAK / (len(keys) + 1) / max(max_load - min_load, 1)
         floor = s.cache_threshold
@@ -241,7 +235,7 @@ class KvAware:
         shares = {candidate: hit for candidate, (hit, _blocks, _known) in hits.items()}
         homes = None
         if key.text and not any(blocks for _hit, blocks, _known in hits.values()):
-            homes = shares = dict(zip(candidates, self._homes(candidates, key.text), strict=True))
+            homes = shares = self._homes(candidates, key.text)
         self._read = (key, keys, hits, homes)
         cached_per_hit = len(keys) * view.block_size
         return {
@@ -269,7 +263,7 @@ class KvAware:
             return share, round(share * len(keys)), False
         return lower, blocks, False
 
-    def _homes(self, candidates: Sequence[Endpoint], text: str) -> list[float]:
+    def _homes(self, candidates: Sequence[Endpoint], text: str) -> dict[Endpoint, float]:
         """On a miss everywhere: the share of the text the estimated tree last sent to one
         candidate (its *home*; 0 for the others, and for all when the share is not above
         ``--cache-threshold``), so a prefix whose blocks were evicted is stored again where its
@@ -277,8 +271,8 @@ class KvAware:
         chars, home = self.estimate.match(text, frozenset(candidates))
         share = chars / len(text)
         if home is None or share <= self._settings.cache_threshold:
-            return [0.0] * len(candidates)
-        return [share if c == home else 0.0 for c in candidates]
+            share = 0.0
+        return {c: share if c == home else 0.0 for c in candidates}
 
     def _pick(self, scores: list[float]) -> int:
         temperature = self._settings.router_temperature
