@@ -36,10 +36,11 @@ simulators, one router, in ``BENCH_KV_ROUNDS`` rounds (6) for each of ``BENCH_KV
 What one row says is within what identical configurations differ by on a shared 2-core host
 (README), so each ``kv_aware`` variant is judged by its pairs with the ``cache_aware`` row of
 the same round: the median TTFT p99 ratio, how many pairs came in under 1, the sign test's
-two-sided p-value, and the median hit-rate difference (:func:`_pairs`). ``BENCH_KV_VARIANTS``
-picks some of them by index (the reference first); ``BENCH_KV_CHECKOUT=DIR`` adds a
-``kv_aware`` variant run from another checkout (a candidate change) with the flags in
-``BENCH_KV_CHECKOUT_FLAGS``.
+two-sided p-value, the median hit-rate difference, and the p99 of all the paired rounds'
+requests pooled, its ratio and that ratio's 90 % interval over resampled rounds
+(:func:`_pairs`). ``BENCH_KV_VARIANTS`` picks some of them by index (the reference first);
+``BENCH_KV_CHECKOUT=DIR`` adds a ``kv_aware`` variant run from another checkout (a candidate
+change) with the flags in ``BENCH_KV_CHECKOUT_FLAGS``.
 """
 
 from __future__ import annotations
@@ -167,7 +168,9 @@ def _one(
     clients: int = CLIENTS,
     load: Sequence[str] = (),
     checkout: Path = ROOT,
+    samples: list[float] | None = None,
 ) -> dict[str, Any]:
+    """One row; ``samples``, if given, receives its TTFTs (seconds)."""
     prefill, decode = sims
     for sim in [*prefill, decode]:
         client.post(sim.url + "/sim/reset", json={"prefix_cache": True})
@@ -200,6 +203,8 @@ def _one(
         for r in routers:
             procs.stop(r)
     ttfb = [t for res in results for t in res["ttfb"]]
+    if samples is not None:
+        samples.extend(ttfb)
     window = max(res["window_s"] for res in results)
     cpu = results[0].get("router_cpu_s")
     return {
@@ -359,23 +364,30 @@ def _rounds(
         flags = shlex.split(os.environ.get("BENCH_KV_CHECKOUT_FLAGS", ""))
         variants.append((f"kv_aware ({other} {shlex.join(flags)})", "kv_aware", flags, Path(other)))
     rows = []
+    samples: dict[tuple[int, str, int], list[float]] = {}
     rounds, plan = _round_plan()
     for rnd in range(rounds):
         for workers in plan:
             turn = rnd % len(variants)
             for label, policy, extra, checkout in variants[turn:] + variants[:turn]:
                 ctx.progress.phase(f"round {rnd + 1}: {label}, --workers {workers}")
+                ttfb = samples.setdefault((workers, label, rnd + 1), [])
                 row = _one(
                     ctx, procs, client, sims, "ours", policy, 1, workers,
-                    extra=extra, checkout=checkout,
+                    extra=extra, checkout=checkout, samples=ttfb,
                 )  # fmt: skip
                 rows.append({**row, "variant": label, "round": rnd + 1})
-    return {"rows": rows, "pairs": _pairs(rows, [v[0] for v in variants])}
+    return {"rows": rows, "pairs": _pairs(rows, [v[0] for v in variants], samples)}
 
 
-def _pairs(rows: list[dict[str, Any]], labels: list[str]) -> list[dict[str, Any]]:
+def _pairs(
+    rows: list[dict[str, Any]],
+    labels: list[str],
+    samples: dict[tuple[int, str, int], list[float]] | None = None,
+) -> list[dict[str, Any]]:
     """Per process count and variant (``labels``, the reference first): its rows against the
-    reference's of the same round."""
+    reference's of the same round; with the rows' TTFTs (``samples`` by process count, variant
+    and round), also the p99 of all the paired rounds' requests pooled (:func:`_pooled`)."""
     reference = labels[0]
     by = {(r["workers"], r["variant"], r["round"]): r for r in rows}
     out = []
@@ -406,7 +418,35 @@ def _pairs(rows: list[dict[str, Any]], labels: list[str]) -> list[dict[str, Any]
                     ),
                 }
             )
+            if samples is not None:
+                rounds = [a["round"] for a, _b in pairs]
+                mine = [samples[(workers, label, rnd)] for rnd in rounds]
+                theirs = [samples[(workers, reference, rnd)] for rnd in rounds]
+                out[-1].update(_pooled(mine, theirs))
     return out
+
+
+def _pooled(mine: list[list[float]], theirs: list[list[float]]) -> dict[str, Any]:
+    """The TTFT p99 of a variant's requests over all its paired rounds, and its ratio to the
+    reference's over the same rounds: a p99 of some 10,000 requests rather than a median of
+    per-round p99s that each rest on the slowest dozen. The interval resamples whole rounds
+    (with replacement, 1,000 times), so it spans what the rounds differ by."""
+
+    def p99_ratio(picks: Sequence[int]) -> float:
+        a = percentile([t for i in picks for t in mine[i]], 0.99)
+        b = percentile([t for i in picks for t in theirs[i]], 0.99)
+        return a / b if b else math.nan
+
+    n = len(mine)
+    if n == 0:
+        return {}
+    rng = random.Random(0)
+    boot = sorted(p99_ratio([rng.randrange(n) for _ in range(n)]) for _ in range(1000))
+    return {
+        "pooled_ttfb_p99_ms": percentile([t for ts in mine for t in ts], 0.99) * 1000,
+        "pooled_p99_ratio": p99_ratio(range(n)),
+        "pooled_p99_ratio_90": [boot[50], boot[949]],
+    }
 
 
 def _sign_test(successes: int, n: int) -> float:
