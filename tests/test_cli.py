@@ -38,7 +38,11 @@ def test_vllm_router_defaults() -> None:
     config = parse_config(["--worker-urls", "http://127.0.0.1:8000"])
     assert config.policy == "cache_aware"
     s = config.policy_settings
-    assert (s.cache_threshold, s.balance_abs_threshold, s.balance_rel_threshold) == (0.3, 64, 1.5)
+    assert (s.cache_threshold, s.balance_abs_threshold, s.rel_threshold("cache_aware")) == (
+        0.3,
+        64,
+        1.5,
+    )
     assert (s.eviction_interval_secs, s.max_tree_size) == (120, 2**25)
     assert config.max_payload_size == 512 * 1024 * 1024
     assert config.timeouts.request == 1800
