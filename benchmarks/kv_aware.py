@@ -32,7 +32,8 @@ place of the profile's)
 
 ``BENCH_KV_PARTS=rounds`` (not run by default): :data:`ROUND_VARIANTS` on the main scenario's
 simulators, one router, in ``BENCH_KV_ROUNDS`` rounds (6) for each of ``BENCH_KV_WORKERS``
-(``1,2``: one process, then ``--workers 2``), the variants' order rotated from round to round.
+(``1,2``: one process, then ``--workers 2``; ``r2``: two replicas of one process behind the
+clients split in half), the variants' order rotated from round to round.
 What one row says is within what identical configurations differ by on a shared 2-core host
 (README), so each ``kv_aware`` variant is judged by its pairs with the ``cache_aware`` row of
 the same round: the median TTFT p99 ratio, how many pairs came in under 1, the sign test's
@@ -93,8 +94,8 @@ def estimate(profile: str) -> float:
     seconds = _seconds(profile)
     total = float(p["repeats"] * 8 * (seconds + 8) + 60)
     if "rounds" in os.environ.get("BENCH_KV_PARTS", ""):
-        rounds, workers = _round_plan()
-        total += rounds * len(workers) * len(ROUND_VARIANTS) * (seconds + 5)
+        rounds, setups = _round_plan()
+        total += rounds * len(setups) * len(ROUND_VARIANTS) * (seconds + 5)
     return total
 
 
@@ -102,10 +103,13 @@ def _seconds(profile: str) -> int:
     return int(os.environ.get("BENCH_KV_SECONDS", PROFILES[profile]["seconds"]))
 
 
-def _round_plan() -> tuple[int, list[int]]:
-    """The ``rounds`` part's round count and process counts (module doc)."""
-    workers = [int(w) for w in os.environ.get("BENCH_KV_WORKERS", "1,2").split(",")]
-    return int(os.environ.get("BENCH_KV_ROUNDS", "6")), workers
+def _round_plan() -> tuple[int, list[tuple[int, int]]]:
+    """The ``rounds`` part's round count and setups, (replicas, workers) each (module doc)."""
+    setups = [
+        (int(w[1:]), 1) if w.startswith("r") else (1, int(w))
+        for w in os.environ.get("BENCH_KV_WORKERS", "1,2").split(",")
+    ]
+    return int(os.environ.get("BENCH_KV_ROUNDS", "6")), setups
 
 
 def _prefill_flags(cache_blocks: int = 190, per_token_s: float = 0.0001) -> list[str]:
@@ -364,16 +368,16 @@ def _rounds(
         flags = shlex.split(os.environ.get("BENCH_KV_CHECKOUT_FLAGS", ""))
         variants.append((f"kv_aware ({other} {shlex.join(flags)})", "kv_aware", flags, Path(other)))
     rows = []
-    samples: dict[tuple[int, str, int], list[float]] = {}
+    samples: dict[tuple[int, int, str, int], list[float]] = {}
     rounds, plan = _round_plan()
     for rnd in range(rounds):
-        for workers in plan:
+        for replicas, workers in plan:
             turn = rnd % len(variants)
             for label, policy, extra, checkout in variants[turn:] + variants[:turn]:
-                ctx.progress.phase(f"round {rnd + 1}: {label}, --workers {workers}")
-                ttfb = samples.setdefault((workers, label, rnd + 1), [])
+                ctx.progress.phase(f"round {rnd + 1}: {label}, {replicas}x --workers {workers}")
+                ttfb = samples.setdefault((replicas, workers, label, rnd + 1), [])
                 row = _one(
-                    ctx, procs, client, sims, "ours", policy, 1, workers,
+                    ctx, procs, client, sims, "ours", policy, replicas, workers,
                     extra=extra, checkout=checkout, samples=ttfb,
                 )  # fmt: skip
                 rows.append({**row, "variant": label, "round": rnd + 1})
@@ -383,25 +387,28 @@ def _rounds(
 def _pairs(
     rows: list[dict[str, Any]],
     labels: list[str],
-    samples: dict[tuple[int, str, int], list[float]] | None = None,
+    samples: dict[tuple[int, int, str, int], list[float]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Per process count and variant (``labels``, the reference first): its rows against the
-    reference's of the same round; with the rows' TTFTs (``samples`` by process count, variant
-    and round), also the p99 of all the paired rounds' requests pooled (:func:`_pooled`)."""
+    """Per setup (replicas, workers) and variant (``labels``, the reference first): its rows
+    against the reference's of the same round; with the rows' TTFTs (``samples`` by replicas,
+    workers, variant and round), also the p99 of all the paired rounds' requests pooled
+    (:func:`_pooled`)."""
     reference = labels[0]
-    by = {(r["workers"], r["variant"], r["round"]): r for r in rows}
+    by = {(r.get("replicas", 1), r["workers"], r["variant"], r["round"]): r for r in rows}
     out = []
-    for workers in sorted({r["workers"] for r in rows}):
+    for replicas, workers in sorted({(r.get("replicas", 1), r["workers"]) for r in rows}):
         for label in labels:
             pairs = [
-                (by[(workers, label, rnd)], by[(workers, reference, rnd)])
+                (by[(replicas, workers, label, rnd)], by[(replicas, workers, reference, rnd)])
                 for rnd in sorted({r["round"] for r in rows})
-                if (workers, label, rnd) in by and (workers, reference, rnd) in by
+                if (replicas, workers, label, rnd) in by
+                and (replicas, workers, reference, rnd) in by
             ]
             ratios = [a["ttfb_p99_ms"] / b["ttfb_p99_ms"] for a, b in pairs]
             under = sum(r < 1 for r in ratios)
             out.append(
                 {
+                    "replicas": replicas,
                     "workers": workers,
                     "variant": label,
                     "rounds": len(pairs),
@@ -420,8 +427,8 @@ def _pairs(
             )
             if samples is not None:
                 rounds = [a["round"] for a, _b in pairs]
-                mine = [samples[(workers, label, rnd)] for rnd in rounds]
-                theirs = [samples[(workers, reference, rnd)] for rnd in rounds]
+                mine = [samples[(replicas, workers, label, rnd)] for rnd in rounds]
+                theirs = [samples[(replicas, workers, reference, rnd)] for rnd in rounds]
                 out[-1].update(_pooled(mine, theirs))
     return out
 
