@@ -394,9 +394,9 @@ def _pairs(
     workers, variant and round), also the p99 of all the paired rounds' requests pooled
     (:func:`_pooled`)."""
     reference = labels[0]
-    by = {(r.get("replicas", 1), r["workers"], r["variant"], r["round"]): r for r in rows}
+    by = {(r["replicas"], r["workers"], r["variant"], r["round"]): r for r in rows}
     out = []
-    for replicas, workers in sorted({(r.get("replicas", 1), r["workers"]) for r in rows}):
+    for replicas, workers in sorted({(r["replicas"], r["workers"]) for r in rows}):
         for label in labels:
             pairs = [
                 (by[(replicas, workers, label, rnd)], by[(replicas, workers, reference, rnd)])

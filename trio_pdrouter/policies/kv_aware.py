@@ -129,13 +129,16 @@ class KvAware:
         self._on_decision = on_decision
         self._view = view
         self._sessions = sessions
+        #: ``--balance-rel-threshold`` as resolved for this policy, for the balance test (the
+        #: estimate's) and the session's overload test alike.
+        self._rel_threshold = settings.rel_threshold(self.name)
         self.estimate = CacheAware(
             settings,
             rng,
             stage=stage,
             on_decision=lambda _s, _r: None,
             feed=feed,
-            rel_threshold=settings.rel_threshold(self.name),
+            rel_threshold=self._rel_threshold,
         )
         self._by_tokens = settings.stage_load_metric(stage) == "tokens"
         self.last = KvDecision(0, 0, False, "none")
@@ -160,14 +163,13 @@ class KvAware:
         return chosen
 
     def _overloaded(self, home: Endpoint, loads: Mapping[Endpoint, int], key: RoutingKey) -> bool:
-        s = self._settings
         return overloaded(
             home,
             loads,
             by_tokens=self._by_tokens,
             prompt_tokens=key.prompt_tokens,
-            abs_threshold=s.balance_abs_threshold,
-            rel_threshold=s.rel_threshold(self.name),
+            abs_threshold=self._settings.balance_abs_threshold,
+            rel_threshold=self._rel_threshold,
         )
 
     def _choose(
