@@ -87,6 +87,14 @@ def test_bad_settings_fail_with_a_clear_message(
     assert message in capsys.readouterr().err
 
 
+def test_help_gives_each_default_except_not_given() -> None:
+    text = " ".join(build_parser().format_help().split())
+    assert "--balance-abs-threshold" in text and "(default: 64)" in text
+    # A default that depends on the policy is stated in the help, never contradicted by None.
+    assert "1.2 for kv_aware (measured: README)" in text
+    assert "(default: None)" not in text
+
+
 def test_help_documents_the_flags() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "trio_pdrouter", "--help"],

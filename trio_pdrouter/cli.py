@@ -38,13 +38,23 @@ routes: POST /v1/completions, /v1/chat/completions, /v1/responses, /inference/v1
 """
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default after its help, except None ("not given"): it tells a user nothing,
+    and where the default depends on other flags (the help says how) it would contradict it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every flag that :class:`RouterConfig` declares."""
     parser = argparse.ArgumentParser(
         prog="trio-pdrouter",
         description=DESCRIPTION,
         epilog=EPILOG,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"trio-pdrouter {__version__}")
     flags.add_flags(parser, RouterConfig)
