@@ -41,7 +41,7 @@ two-sided p-value, the median hit-rate difference, and the p99 of all the paired
 requests pooled, its ratio and that ratio's 90 % interval over resampled rounds
 (:func:`_pairs`). ``BENCH_KV_VARIANTS`` picks some of them by index (the reference first);
 ``BENCH_KV_CHECKOUT=DIR`` adds a ``kv_aware`` variant run from another checkout (a candidate
-change) with the flags in ``BENCH_KV_CHECKOUT_FLAGS``.
+change) with the flags in ``BENCH_KV_CHECKOUT_FLAGS``, one variant per ``;``-separated set.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def estimate(profile: str) -> float:
     total = float(p["repeats"] * 8 * (seconds + 8) + 60)
     if "rounds" in os.environ.get("BENCH_KV_PARTS", ""):
         rounds, setups = _round_plan()
-        total += rounds * len(setups) * len(ROUND_VARIANTS) * (seconds + 5)
+        total += rounds * len(setups) * len(_round_variants()) * (seconds + 5)
     return total
 
 
@@ -356,17 +356,26 @@ def _tokenizer_rows(ctx: Context, procs: ProcessSet, client: httpx.Client) -> li
     return rows
 
 
+def _round_variants() -> list[tuple[str, str, list[str], Path]]:
+    """The ``rounds`` part's variants: (label, prefill policy, extra flags, checkout) each, the
+    reference first (module doc)."""
+    chosen = os.environ.get("BENCH_KV_VARIANTS", ",".join(map(str, range(len(ROUND_VARIANTS)))))
+    variants = [(*ROUND_VARIANTS[int(i)], ROOT) for i in chosen.split(",")]
+    other = os.environ.get("BENCH_KV_CHECKOUT")
+    if other:
+        for given in os.environ.get("BENCH_KV_CHECKOUT_FLAGS", "").split(";"):
+            flags = shlex.split(given)
+            label = f"kv_aware ({other} {shlex.join(flags)})"
+            variants.append((label, "kv_aware", flags, Path(other)))
+    return variants
+
+
 def _rounds(
     ctx: Context, procs: ProcessSet, client: httpx.Client, sims: tuple[list[Service], Service]
 ) -> dict[str, Any]:
     """:data:`ROUND_VARIANTS` in interleaved rounds, each paired with the reference's row of
     the same round and process count (module doc)."""
-    chosen = os.environ.get("BENCH_KV_VARIANTS", ",".join(map(str, range(len(ROUND_VARIANTS)))))
-    variants = [(*ROUND_VARIANTS[int(i)], ROOT) for i in chosen.split(",")]
-    other = os.environ.get("BENCH_KV_CHECKOUT")
-    if other:
-        flags = shlex.split(os.environ.get("BENCH_KV_CHECKOUT_FLAGS", ""))
-        variants.append((f"kv_aware ({other} {shlex.join(flags)})", "kv_aware", flags, Path(other)))
+    variants = _round_variants()
     rows = []
     samples: dict[tuple[int, int, str, int], list[float]] = {}
     rounds, plan = _round_plan()
