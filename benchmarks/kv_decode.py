@@ -4,7 +4,9 @@
 prefill's stores: 32 blocks of 16 tokens; a scheduler step under cache pressure: 4 stores and 4
 removes of 8 blocks; the legacy array layout of the latter), each decoded untyped by
 ``msgspec.msgpack.decode`` and by ``msgpack.unpackb``, and the whole of
-:func:`trio_pdrouter.kv_wire.decode_payload` (msgspec plus reading the events by name).
+:func:`trio_pdrouter.kv_wire.decode_payload` (typed, as the router decodes these shapes) and of
+its field-by-field reading (untyped msgspec plus reading the events by name: what it does for
+a shape it does not decode typed).
 Needs ``msgpack`` (``pip install msgpack``; the router itself does not).
 """
 
@@ -18,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from trio_pdrouter import kv_wire
 from trio_pdrouter.kv_wire import decode_payload
 from trio_pdrouter_sim.kv_events import KvJournal
 
@@ -60,6 +63,10 @@ def run(number: int = 2000) -> dict[str, Any]:
                 per_batch_us(partial(msgpack.unpackb, payload, strict_map_key=False)), 2
             ),
             "decode_payload_us": round(per_batch_us(partial(decode_payload, payload)), 2),
+            # The same read field by field: what decode_payload does for a shape not typed.
+            "field_by_field_us": round(
+                per_batch_us(partial(kv_wire._decode_untyped, payload, 0)), 2
+            ),
         }
     return out
 

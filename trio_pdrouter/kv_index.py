@@ -36,8 +36,8 @@ ROOT_KEY = 0x6B76_6576_656E_7473
 def block_keys(tokens: Sequence[int], block_size: int, parent: int = ROOT_KEY) -> list[int]:
     """Own keys of the full ``block_size`` blocks of ``tokens``, chained from ``parent``."""
     keys: list[int] = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash((parent, tuple(tokens[start : start + block_size])))
+    for block in zip(*[iter(tokens)] * block_size, strict=False):  # a partial block: left out
+        parent = hash((parent, block))
         keys.append(parent)
     return keys
 
