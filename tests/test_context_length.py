@@ -14,6 +14,7 @@ from trio_pdrouter import prompt_tokens
 from trio_pdrouter.context_length import ContextCheck
 from trio_pdrouter.model_limits import ModelLimits
 from trio_pdrouter.policies import RoutingKey, utf8_size
+from trio_pdrouter.upstream import LegClient
 from trio_pdrouter_sim.config import SimConfig
 
 from .cluster import Cluster, start_cluster
@@ -272,3 +273,20 @@ async def test_a_count_sends_the_same_json_in_slices(
     sent = b"".join([part async for part in prompt_tokens._json_in_slices(request_body)])
     assert orjson.loads(sent) == request_body
     assert sent == orjson.dumps(request_body)
+
+
+async def test_ids_of_a_prompts_start_only_are_not_its_count() -> None:
+    async def engine(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"count": 400, "tokens": list(range(400))})
+
+    counter = prompt_tokens.PromptTokens(
+        LegClient(transport=httpx.MockTransport(engine)), lambda: ["http://e:1"]
+    )
+    known = ModelLimits(httpx.AsyncClient(), lambda: ["a"])
+    known._limits = {"a": 300}
+    c = ContextCheck(known, lambda: ["a"], counter)
+    text = "x" * 2000
+    # kv_aware knew the ids of the first 50 tokens only: the engine's count decides.
+    key = RoutingKey(text=text, tokens=tuple(range(50)), partial_tokens=True)
+    refused = await c.refusal("/v1/completions", {"prompt": text, "max_tokens": 10}, key)
+    assert refused is not None and "requested 410 tokens" in refused.message

@@ -56,6 +56,7 @@ async def rig(n: int = 2, sim: SimConfig = SIM, **router: Any) -> AsyncIterator[
                 replay_sources=tuple(replays),
                 block_size=16,
                 tokenizer_path=router.pop("tokenizer_path", None),
+                tokenize_cut_chars=router.pop("tokenize_cut_chars", 0),
             ),
             **router,
         )
@@ -159,3 +160,26 @@ async def _all_known(r: Rig) -> bool:
 
 async def _blocks_somewhere(r: Rig) -> bool:
     return any(row["blocks"] > 0 for row in await r.index())
+
+
+async def test_prompts_sharing_a_long_start_ask_for_its_ids_once() -> None:
+    async with rig(tokenize_cut_chars=32) as r:
+        await eventually(lambda: _all_known(r))
+        first = await served_by(r, "/v1/completions", {"prompt": DOC + "first"})
+        await eventually(lambda: _blocks_somewhere(r))
+        notes = []
+        for i in range(6):
+            resp = await r.client.post(
+                r.router.url + "/v1/completions", json={"prompt": DOC + f"q{i}", "max_tokens": 1}
+            )
+            assert resp.headers["x-trio-pdrouter-worker"] == first
+            notes.append(resp.headers["x-trio-pdrouter-kv"])
+        # The first prompt whole; then the document, once, for all that follow.
+        asked = 0
+        for s in r.sims:
+            asked += (await r.client.get(s.url + "/sim/stats")).json()["received"]["/tokenize"]
+        assert asked == 2
+        # Credited from the index all the same: all but the blocks past the cut's margin.
+        total = (len(DOC) + 2) // 4 // 16
+        assert all(n.endswith(";known") and n.split("/")[1] == f"{total};known" for n in notes)
+        assert all(int(n.split("/")[0]) >= total - 1 for n in notes)

@@ -304,3 +304,24 @@ def test_with_workers_a_miss_goes_home_where_another_worker_sent_the_prefix(
         assert workers[1].last.reason == "home"
     finally:
         table.destroy()
+
+
+def test_ids_of_the_start_only_count_against_the_whole_prompt() -> None:
+    view = View()
+    view.store(EPS[1], 6)  # the start's 6 blocks of 4 tokens
+    routing, ledger = prefill_routing(view)
+    # The ids of the prompt's first 24 tokens are known, the prompt counts 48 (12 blocks).
+    key = RoutingKey(text=TEXT, prompt_tokens=48, tokens=TOKENS[:24], partial_tokens=True)
+    assert routing.weights(Role.PREFILL, EPS, key) == {EPS[0]: 48, EPS[1]: 24, EPS[2]: 48}
+    lease, chosen = routing.lease_one(Role.PREFILL, key)
+    assert chosen == EPS[1] and ledger.token_load(EPS[1]) == 24
+    lease.release_all()
+    # Half the prompt held: a hit above --cache-threshold 0.3, none at 0.5.
+    idle = dict.fromkeys(EPS, 0)
+    assert make(view, cache_threshold=0.3).choose(EPS, idle, key) == EPS[1]
+    policy = make(view, cache_threshold=0.5)
+    policy.choose(EPS, idle, key)
+    assert policy.last.reason == "miss" and policy.last.total_blocks == 12
+    # Had those 24 ids been the whole prompt, all of it would be held.
+    whole = RoutingKey(text=TEXT, prompt_tokens=24, tokens=TOKENS[:24])
+    assert policy.choose(EPS, idle, whole) == EPS[1] and policy.last.note() == "6/6;known"

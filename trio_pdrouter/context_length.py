@@ -13,7 +13,8 @@ The rules:
 * The tokens counted are those vLLM counts: the prompt, plus the request's cap
   (``max_completion_tokens`` or else ``max_tokens`` for a chat; ``max_tokens``, by default 16,
   for a completion). A chat without a cap is refused when its prompt alone fills the context.
-* A token-id prompt is counted exactly. A text prompt or a chat is first bounded cheaply: a
+* A token-id prompt, or a text whose every id ``kv_aware`` had asked for, is counted exactly.
+  A text prompt or a chat is otherwise first bounded cheaply: a
   token covers at least one byte, so its UTF-8 bytes plus :data:`TEMPLATE_SLACK` (special and
   chat-template tokens) are at least its tokens. Only when that bound does not fit is the engine
   asked (``POST /tokenize``, :meth:`~.prompt_tokens.PromptTokens.count`), and the request is
@@ -80,7 +81,7 @@ class ContextCheck:
             return None
         cap = _cap(path, body)
         room = bound - (cap or 0)  # prompt tokens that fit (a chat without cap: fewer than bound)
-        if key.tokens is not None:
+        if key.tokens is not None and not key.partial_tokens:
             return (
                 _too_long(bound, len(key.tokens), cap)
                 if _over(len(key.tokens), room, cap)

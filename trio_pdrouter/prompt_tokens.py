@@ -7,12 +7,25 @@ request's chat-template fields), which renders and tokenizes exactly as the engi
 
 The rules:
 
-* One call per request, to one healthy server of the stage that routes on tokens, taken in
+* At most one call per request, to one healthy server of the stage that routes on tokens, taken in
   turn; only while a ``kv_aware`` stage exists (the caller decides).
 * With a :class:`~.local_tokenizer.LocalTokenizer` (``--kv-tokenizer-path``) the router
   tokenizes itself, and asks an engine only for what that declines.
-* Answers are cached (``cache_size`` prompts, least recently used dropped first), keyed by the
-  exact JSON sent, so a repeated prompt costs no call.
+* With ``cut_chars`` (``--kv-tokenize-cut-chars``, off by default), a text prompt whose start
+  this router has already sent somewhere (``seen``: the estimated prefix tree's match, at
+  least :data:`MIN_CUT_CHARS`) is tokenized up to that start only, cut at a multiple of
+  ``cut_chars`` characters, so that the prompts
+  sharing it ask with the same text and every one after the first finds the answer cached:
+  a workload of long shared starts (documents, system prompts, few-shot examples) costs a call
+  per start instead of per request. The key then carries the start's ids less the last
+  :data:`CUT_MARGIN_TOKENS` (``partial_tokens``): where the cut splits a word, the whole
+  prompt's ids differ from the start's; further back they agree (tokenizers split text into
+  words before merging, so a word is tokenized the same wherever the text ends). The prompt's
+  count is the start's ids plus the rest's estimate from its length. A chat, a prompt with no
+  such start and one sent whole before are tokenized whole, as the engine will see them.
+* Answers are cached, keyed by a digest of the exact JSON sent, so a repeated prompt (or start)
+  costs no call; the cache holds at most ``cache_size`` answers and ``cache_tokens`` token ids,
+  the least recently used dropped first.
 * Any failure (no healthy server, an error status, a timeout, a malformed answer) leaves the
   key without tokens: the policy then uses its estimate. The request is never failed for it.
 * This runs before routing (it awaits); routing itself stays synchronous.
@@ -27,6 +40,7 @@ router holds no whole copy of it. Counts are not cached (the key would be the wh
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from collections import OrderedDict
@@ -41,6 +55,7 @@ import trio
 from .local_tokenizer import LocalTokenizer
 from .policies import RoutingKey
 from .upstream import LegClient, post_capped
+from .weights import prompt_tokens
 
 __all__ = ["PromptTokens"]
 
@@ -66,6 +81,11 @@ COUNT_HEAD_BYTES = 256
 #: Characters of a text prompt encoded at a time for :meth:`PromptTokens.count`.
 SLICE_CHARS = 256 * 1024
 _COUNT = re.compile(rb'\s*\{\s*"count"\s*:\s*([0-9]+)\s*[,}]')
+#: The shortest start of a prompt tokenized on its own (module doc); shorter, the whole prompt.
+MIN_CUT_CHARS = 512
+#: Ids dropped from the end of a start's: a word the cut splits is tokenized differently in
+#: the whole prompt, and a tokenizer may end a text with special ids.
+CUT_MARGIN_TOKENS = 8
 
 
 def tokenize_request(body: Mapping[str, object]) -> dict[str, object] | None:
@@ -84,7 +104,8 @@ def tokenize_request(body: Mapping[str, object]) -> dict[str, object] | None:
 
 
 class PromptTokens:
-    """Asks the servers given by ``servers`` (healthy URLs, called per request) to tokenize."""
+    """Asks the servers given by ``servers`` (healthy URLs, called per request) to tokenize;
+    ``seen`` gives how much of a text this router has routed before (module doc)."""
 
     def __init__(
         self,
@@ -93,8 +114,11 @@ class PromptTokens:
         *,
         timeout_s: float = 2.0,
         cache_size: int = 4096,
+        cache_tokens: int = 1_000_000,
         api_key: str | None = None,
         local: LocalTokenizer | None = None,
+        seen: Callable[[str], int] | None = None,
+        cut_chars: int = 0,
     ) -> None:
         self._client = client
         self._local = local
@@ -102,6 +126,11 @@ class PromptTokens:
         self._timeout_s = timeout_s
         self._cache: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
         self._cache_size = cache_size
+        self._cache_tokens = cache_tokens
+        #: Token ids held in the cache.
+        self.cached_tokens = 0
+        self._seen = seen if cut_chars > 0 else None
+        self._cut_chars = cut_chars
         self._turn = 0
         # One set of headers for both calls (httpx takes them as bytes too).
         self._headers = {b"content-type": b"application/json"}
@@ -111,27 +140,59 @@ class PromptTokens:
         self.failures = 0
 
     async def key_with_tokens(self, body: Mapping[str, object], key: RoutingKey) -> RoutingKey:
-        """``key`` with the prompt's token ids, when they can be had (see the module doc)."""
+        """``key`` with the prompt's token ids, or its start's, when they can be had (see the
+        module doc)."""
         if key.tokens is not None:
             return key
         request = tokenize_request(body)
         if request is None:
             return key
+        prompt = request.get("prompt")
+        cut = self._cut(prompt) if isinstance(prompt, str) else 0
+        if isinstance(prompt, str) and cut:
+            start = await self._tokens({"prompt": prompt[:cut]})
+            if start is None or len(start) <= CUT_MARGIN_TOKENS:
+                return key
+            rest = prompt_tokens(prompt[cut:])
+            return attrs.evolve(
+                key,
+                tokens=start[:-CUT_MARGIN_TOKENS],
+                prompt_tokens=len(start) + rest,
+                partial_tokens=True,
+            )
+        tokens = await self._tokens(request)
+        if tokens is None:
+            return key
+        # The engine's count replaces the estimate from the text (the token weight uses it).
+        return attrs.evolve(key, tokens=tokens, prompt_tokens=len(tokens))
+
+    def _cut(self, prompt: str) -> int:
+        """Where to cut ``prompt`` (module doc), 0 to tokenize it whole."""
+        if self._seen is None:
+            return 0
+        shared = self._seen(prompt)
+        if shared >= len(prompt):
+            return 0  # sent whole before: its whole answer may be cached
+        cut = shared - shared % self._cut_chars
+        return cut if cut >= MIN_CUT_CHARS else 0
+
+    async def _tokens(self, request: Mapping[str, object]) -> tuple[int, ...] | None:
+        """The ids of one ``/tokenize`` body: cached, else encoded here or asked."""
         raw = orjson.dumps(request)
-        cached = self._cache.get(raw)
+        digest = hashlib.blake2b(raw, digest_size=16).digest()
+        cached = self._cache.get(digest)
         if cached is not None:
-            self._cache.move_to_end(raw)
-            return attrs.evolve(key, tokens=cached, prompt_tokens=len(cached))
+            self._cache.move_to_end(digest)
+            return cached
         tokens = await self._local.ids(request) if self._local is not None else None
         if tokens is None:
             tokens = await self._ask(raw)
-        if tokens is None:
-            return key
-        self._cache[raw] = tokens
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
-        # The engine's count replaces the estimate from the text (the token weight uses it).
-        return attrs.evolve(key, tokens=tokens, prompt_tokens=len(tokens))
+        if tokens is not None and len(tokens) <= self._cache_tokens:
+            self._cache[digest] = tokens
+            self.cached_tokens += len(tokens)
+            while len(self._cache) > self._cache_size or self.cached_tokens > self._cache_tokens:
+                self.cached_tokens -= len(self._cache.popitem(last=False)[1])
+        return tokens
 
     async def count(self, request: Mapping[str, object]) -> int | None:
         """The engine's token count for a ``/tokenize`` body (:func:`tokenize_request`), None

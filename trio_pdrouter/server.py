@@ -44,7 +44,7 @@ from .machine_ledger import MachineLedger
 from .metrics import MetricsApp, RouterMetrics
 from .model_limits import ModelLimits
 from .peers import PeerLoads, Snapshot
-from .policies import make_policy
+from .policies import KvAware, make_policy
 from .prefix_ring import PrefixFeed
 from .prompt_tokens import PromptTokens
 from .proxy import Proxy
@@ -243,7 +243,15 @@ def build_app(
     kv_roles = [role for role in config.servers() if config.stage_policy(role) == "kv_aware"]
     if kv_roles:
         at = lambda: sorted({ep.url for ep in routing.candidates(kv_roles[0])})  # noqa: E731
-        tokens = PromptTokens(client, at, api_key=config.upstream_api_key, local=local)
+        first = policies[kv_roles[0]]
+        tokens = PromptTokens(
+            client,
+            at,
+            api_key=config.upstream_api_key,
+            local=local,
+            seen=first.seen_chars if isinstance(first, KvAware) else None,
+            cut_chars=config.kv_events.tokenize_cut_chars,
+        )
     generating = Role.DECODE if config.pd else Role.REGULAR
 
     def serving() -> set[str]:

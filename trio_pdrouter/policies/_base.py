@@ -30,7 +30,8 @@ class RoutingKey:
     :func:`trio_pdrouter.policies.routing_key` builds one from a parsed body and its headers.
     ``tokens`` are the prompt's token ids as the engine sees them, when known (a token-id
     prompt, or the engine's ``/tokenize`` answer when ``kv_aware`` asked for it); ``None``
-    otherwise.
+    otherwise. With ``partial_tokens`` they are the ids of the prompt's start only (the rest
+    counted in ``prompt_tokens`` by estimate: :mod:`trio_pdrouter.prompt_tokens`).
     """
 
     text: str = ""
@@ -38,6 +39,7 @@ class RoutingKey:
     prompt_tokens: int = 0
     output_tokens: int = 0
     tokens: tuple[int, ...] | None = None
+    partial_tokens: bool = False
 
 
 #: ``--balance-rel-threshold`` by policy when the flag is not given: vllm-router's default for

@@ -121,9 +121,9 @@ class CacheAware:
                 if ep is not None:
                     self.tree.insert(learnt, ep)
 
-    def match(self, text: str, eligible: frozenset[Endpoint]) -> tuple[int, Endpoint | None]:
-        """The tree's longest match of ``text`` among ``eligible`` (``RadixTree.match``), the
-        other workers' inserts applied first."""
+    def match(self, text: str, eligible: frozenset[Endpoint] | None) -> tuple[int, Endpoint | None]:
+        """The tree's longest match of ``text`` among ``eligible`` (all endpoints if None;
+        ``RadixTree.match``), the other workers' inserts applied first."""
         self._learn()
         return self.tree.match(text, eligible)
 

@@ -8,12 +8,14 @@ Per decision, over the candidates:
 * no token ids for the request (``/tokenize`` failed or was not needed): ``cache_aware``'s
   decision over its estimated tree;
 * otherwise each candidate's *hit* is the share of the prompt's full blocks it holds as a
-  leading run, each block weighted by its medium (GPU 1, ``--kv-penalty-host|external|disk``
-  for blocks held only off-GPU). An engine whose event stream is not known to be exact
-  (``known`` false: no events yet, history lost) gets the larger of the estimate (the share of
-  the routing text ``cache_aware``'s tree has seen go there) and what its index shows: after a
-  loss the index is cleared and then holds only blocks stored since, whose removes are all
-  seen, so it may miss blocks but never shows one the engine dropped.
+  leading run (with ids of the prompt's start only, ``partial_tokens``: of the blocks its
+  estimated count fills), each block weighted by its medium (GPU 1,
+  ``--kv-penalty-host|external|disk`` for blocks held only off-GPU). An engine whose event
+  stream is not known to be exact (``known`` false: no events yet, history lost) gets the larger
+  of the estimate (the share of the routing text ``cache_aware``'s tree has seen go there) and
+  what its index shows: after a loss the index is cleared and then holds only blocks stored
+  since, whose removes are all seen, so it may miss blocks but never shows one the engine
+  dropped.
 * a miss everywhere (no candidate holds even the first block): the candidate the estimated
   tree last sent this prefix to (its *home*) gets the estimate's share as its hit, so an evicted
   prefix is stored again where its group lives and the engines go on holding different groups
@@ -190,10 +192,11 @@ class KvAware:
             keys, hits, homes = read[1], read[2], read[3]
         else:
             keys, hits = block_keys(key.tokens, view.block_size), {}
+        total = self._blocks(key, keys)
         if unbalanced:
             chosen = least_loaded(candidates, loads, self._rng)
             self._remember(key, chosen)
-            self._decided("unbalanced", 0, len(keys), known=False)
+            self._decided("unbalanced", 0, total, known=False)
             return chosen
         shares: list[float] = []
         seen: list[tuple[int, bool]] = []
@@ -207,7 +210,7 @@ class KvAware:
                 homes = self._homes(candidates, key.text)
             shares = [homes[c] for c in candidates]
         # Load breaks ties only: its term stays below TIE_BREAK of one block's share.
-        tie = TIE_BREAK / (len(keys) + 1) / max(max_load - min_load, 1)
+        tie = TIE_BREAK / (total + 1) / max(max_load - min_load, 1)
         floor = s.cache_threshold
         scores = [
             (share if share > floor else 0.0) - (load - min_load) * tie
@@ -223,7 +226,7 @@ class KvAware:
             reason = "kv_hit" if known else "estimate_hit"
         else:
             reason = "home"
-        self._decided(reason, blocks, len(keys), known=known)
+        self._decided(reason, blocks, total, known=known)
         return chosen
 
     def uncached_tokens(
@@ -244,7 +247,7 @@ class KvAware:
         if key.text and not any(blocks for _hit, blocks, _known in hits.values()):
             homes = shares = self._homes(candidates, key.text)
         self._read = (key, keys, hits, homes)
-        cached_per_hit = len(keys) * view.block_size
+        cached_per_hit = self._blocks(key, keys) * view.block_size
         return {
             candidate: max(key.prompt_tokens - round(share * cached_per_hit), 0)
             for candidate, share in shares.items()
@@ -257,7 +260,8 @@ class KvAware:
         assert self._view is not None
         found = self._view.index(candidate.url, candidate.rank)
         blocks, credit = found[0].match(keys) if found is not None and keys else (0, 0.0)
-        lower = credit / len(keys) if keys else 0.0
+        total = self._blocks(key, keys)
+        lower = credit / total if total else 0.0
         if found is not None and found[1]:
             return lower, blocks, True
         # Unknown: what its index still shows is true (stored since the loss, removes seen) but
@@ -267,8 +271,21 @@ class KvAware:
             chars, _owner = self.estimate.match(key.text, frozenset((candidate,)))
             share = chars / len(key.text)
         if share > lower:
-            return share, round(share * len(keys)), False
+            return share, round(share * total), False
         return lower, blocks, False
+
+    def _blocks(self, key: RoutingKey, keys: list[int]) -> int:
+        """The prompt's full blocks: those of its ids, or when they are its start's only
+        (``partial_tokens``), as many as its estimated token count fills."""
+        assert self._view is not None
+        if key.partial_tokens:
+            return max(len(keys), key.prompt_tokens // self._view.block_size)
+        return len(keys)
+
+    def seen_chars(self, text: str) -> int:
+        """Leading characters of ``text`` this router has sent somewhere before (the estimated
+        tree's longest match, any endpoint): the start it shares with earlier prompts."""
+        return self.estimate.match(text, None)[0]
 
     def _homes(self, candidates: Sequence[Endpoint], text: str) -> dict[Endpoint, float]:
         """On a miss everywhere: the share of the text the estimated tree last sent to one
