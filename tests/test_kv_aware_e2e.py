@@ -179,6 +179,9 @@ async def test_prompts_sharing_a_long_start_ask_for_its_ids_once() -> None:
         for s in r.sims:
             asked += (await r.client.get(s.url + "/sim/stats")).json()["received"]["/tokenize"]
         assert asked == 2
+        metrics = (await r.client.get(r.router.url + "/metrics")).text
+        assert 'trio_pdrouter_kv_tokenize_total{outcome="engine"} 2.0' in metrics
+        assert 'trio_pdrouter_kv_tokenize_total{outcome="cached"} 5.0' in metrics
         # Credited from the index all the same: all but the blocks past the cut's margin.
         total = (len(DOC) + 2) // 4 // 16
         assert all(n.endswith(";known") and n.split("/")[1] == f"{total};known" for n in notes)

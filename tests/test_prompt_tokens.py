@@ -23,14 +23,17 @@ from trio_pdrouter.weights import prompt_tokens
 from trio_pdrouter_sim.tokenizer_files import write_model_dir
 
 
-def tokens_for(calls: list[dict[str, object]], status: int = 200) -> PromptTokens:
+def tokens_for(
+    calls: list[dict[str, object]], status: int = 200, outcomes: list[str] | None = None
+) -> PromptTokens:
     async def handler(request: httpx.Request) -> httpx.Response:
         body = orjson.loads(request.content)
         calls.append(body)
         return httpx.Response(status, json={"count": 3, "tokens": [1, 2, 3]})
 
     client = LegClient(transport=httpx.MockTransport(handler))
-    return PromptTokens(client, lambda: ["http://e:1"])
+    report = outcomes.append if outcomes is not None else lambda _o: None
+    return PromptTokens(client, lambda: ["http://e:1"], on_outcome=report)
 
 
 async def test_a_text_prompt_is_tokenized_once_then_cached() -> None:
@@ -189,3 +192,14 @@ def test_a_start_less_its_margin_tokenizes_as_the_whole_prompt_begins(
     cut = int(len(text) * where)
     start = bpe.encode(text[:cut]).ids[:-CUT_MARGIN_TOKENS]
     assert bpe.encode(text).ids[: len(start)] == start
+
+
+async def test_each_lookup_reports_where_its_ids_came_from() -> None:
+    outcomes: list[str] = []
+    calls: list[dict[str, object]] = []
+    tokens = PromptTokens(answering(calls), lambda: ["http://e:1"], on_outcome=outcomes.append)
+    for _ in range(2):
+        await tokens.key_with_tokens({"prompt": DOC}, RoutingKey(text=DOC))
+    failing = tokens_for(calls, status=500, outcomes=outcomes)
+    await failing.key_with_tokens({"prompt": "x"}, RoutingKey(text="x"))
+    assert outcomes == ["engine", "cached", "failed"]

@@ -170,6 +170,13 @@ class RouterMetrics:
             ["stage", "reason"],
             registry=r,
         )
+        self.kv_tokenize = Counter(
+            p + "kv_tokenize",
+            "kv_aware: prompts' token ids by where they came from (cached, local: the router's"
+            " tokenizer, engine: an engine's /tokenize) or failed (routed on the estimate).",
+            ["outcome"],
+            registry=r,
+        )
         self.load_balance_events = Counter(
             p + "load_balance_events",
             "Decisions where load imbalance overrode prefix-cache affinity (cache_aware's"
@@ -322,6 +329,11 @@ class RouterMetrics:
         self.policy_decisions.labels(stage, reason).inc()
         if reason == "unbalanced":
             self.load_balance_events.labels(stage).inc()
+
+    def tokenized(self, outcome: str) -> None:
+        """``kv_aware`` got a prompt's token ids (``cached``, ``local``, ``engine``) or did not
+        (``failed``)."""
+        self.kv_tokenize.labels(outcome).inc()
 
     def stranded_kv(self, decode: Endpoint) -> None:
         """``decode`` was sent a request that pulls a departed client's KV blocks."""

@@ -28,6 +28,8 @@ The rules:
   the least recently used dropped first.
 * Any failure (no healthy server, an error status, a timeout, a malformed answer) leaves the
   key without tokens: the policy then uses its estimate. The request is never failed for it.
+* Each lookup's outcome (``cached``, ``local``, ``engine`` or ``failed``) goes to
+  ``on_outcome`` (``trio_pdrouter_kv_tokenize_total``).
 * This runs before routing (it awaits); routing itself stays synchronous.
 
 :meth:`PromptTokens.count` asks the same servers for a prompt's token count alone (the context
@@ -119,6 +121,7 @@ class PromptTokens:
         local: LocalTokenizer | None = None,
         seen: Callable[[str], int] | None = None,
         cut_chars: int = 0,
+        on_outcome: Callable[[str], None] = lambda _outcome: None,
     ) -> None:
         self._client = client
         self._local = local
@@ -131,6 +134,7 @@ class PromptTokens:
         self.cached_tokens = 0
         self._seen = seen if cut_chars > 0 else None
         self._cut_chars = cut_chars
+        self._on_outcome = on_outcome
         self._turn = 0
         # One set of headers for both calls (httpx takes them as bytes too).
         self._headers = {b"content-type": b"application/json"}
@@ -183,10 +187,14 @@ class PromptTokens:
         cached = self._cache.get(digest)
         if cached is not None:
             self._cache.move_to_end(digest)
+            self._on_outcome("cached")
             return cached
         tokens = await self._local.ids(request) if self._local is not None else None
+        outcome = "local"
         if tokens is None:
             tokens = await self._ask(raw)
+            outcome = "engine" if tokens is not None else "failed"
+        self._on_outcome(outcome)
         if tokens is not None and len(tokens) <= self._cache_tokens:
             self._cache[digest] = tokens
             self.cached_tokens += len(tokens)

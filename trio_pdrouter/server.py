@@ -251,6 +251,7 @@ def build_app(
             local=local,
             seen=first.seen_chars if isinstance(first, KvAware) else None,
             cut_chars=config.kv_events.tokenize_cut_chars,
+            on_outcome=metrics.tokenized,
         )
     generating = Role.DECODE if config.pd else Role.REGULAR
 
