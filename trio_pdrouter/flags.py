@@ -176,6 +176,7 @@ def must(test: Callable[[Any], bool], text: str) -> Check:
 
 
 positive = must(lambda x: x > 0, "must be positive")
+non_negative = must(lambda x: x >= 0, "must be 0 or more")
 
 
 def _one_of(choices: tuple[str, ...]) -> Check:

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import attrs
 
 from .endpoints import Endpoint, normalize_url
-from .flags import ConfigError, Flag, Group, must, positive, setting
+from .flags import ConfigError, Flag, Group, non_negative, positive, setting
 from .kv_fanout import relayed
 from .kv_subscriber import BIND, EventSource, KvEvents
 from .local_tokenizer import LocalTokenizer, TokenizerFilesError
@@ -143,7 +143,7 @@ class KvEventSettings:
             " fewer hits; README). Default 0: every prompt whole",
             type=int,
         ),
-        check=must(lambda n: n >= 0, "must be 0 or more"),
+        check=non_negative,
     )
 
     @property

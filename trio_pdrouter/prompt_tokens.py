@@ -7,22 +7,22 @@ request's chat-template fields), which renders and tokenizes exactly as the engi
 
 The rules:
 
-* At most one call per request, to one healthy server of the stage that routes on tokens, taken in
-  turn; only while a ``kv_aware`` stage exists (the caller decides).
+* At most one call per request, to one healthy server of the stage that routes on tokens, taken
+  in turn; only while a ``kv_aware`` stage exists (the caller decides).
 * With a :class:`~.local_tokenizer.LocalTokenizer` (``--kv-tokenizer-path``) the router
   tokenizes itself, and asks an engine only for what that declines.
 * With ``cut_chars`` (``--kv-tokenize-cut-chars``, off by default), a text prompt whose start
-  this router has already sent somewhere (``seen``: the estimated prefix tree's match, at
-  least :data:`MIN_CUT_CHARS`) is tokenized up to that start only, cut at a multiple of
-  ``cut_chars`` characters, so that the prompts
-  sharing it ask with the same text and every one after the first finds the answer cached:
-  a workload of long shared starts (documents, system prompts, few-shot examples) costs a call
-  per start instead of per request. The key then carries the start's ids less the last
-  :data:`CUT_MARGIN_TOKENS` (``partial_tokens``): where the cut splits a word, the whole
-  prompt's ids differ from the start's; further back they agree (tokenizers split text into
-  words before merging, so a word is tokenized the same wherever the text ends). The prompt's
-  count is the start's ids plus the rest's estimate from its length. A chat, a prompt with no
-  such start and one sent whole before are tokenized whole, as the engine will see them.
+  this router has already sent somewhere (``seen``: the estimated prefix tree's match, at least
+  :data:`MIN_CUT_CHARS`) is tokenized up to that start only, cut at a multiple of ``cut_chars``
+  characters, so that the prompts sharing it ask with the same text and every one after the
+  first finds the answer cached: a workload of long shared starts (documents, system prompts,
+  few-shot examples) costs a call per start instead of per request. The key then carries the
+  start's ids less the last :data:`CUT_MARGIN_TOKENS` (``partial_tokens``): where the cut splits
+  a word, the whole prompt's ids differ from the start's; further back they agree (tokenizers
+  split text into words before merging, so a word is tokenized the same wherever the text ends).
+  The prompt's count is the start's ids plus the rest's estimate from its length. A chat, a
+  prompt with no such start and one sent whole before are tokenized whole, as the engine will
+  see them.
 * Answers are cached, keyed by a digest of the exact JSON sent, so a repeated prompt (or start)
   costs no call; the cache holds at most ``cache_size`` answers and ``cache_tokens`` token ids,
   the least recently used dropped first.
@@ -152,8 +152,7 @@ class PromptTokens:
         if request is None:
             return key
         prompt = request.get("prompt")
-        cut = self._cut(prompt) if isinstance(prompt, str) else 0
-        if isinstance(prompt, str) and cut:
+        if isinstance(prompt, str) and (cut := self._cut(prompt)):
             start = await self._tokens({"prompt": prompt[:cut]})
             if start is None or len(start) <= CUT_MARGIN_TOKENS:
                 return key

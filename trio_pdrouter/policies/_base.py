@@ -13,7 +13,7 @@ from typing import Protocol
 import attrs
 
 from ..endpoints import Endpoint
-from ..flags import Flag, Group, must, positive, setting
+from ..flags import Flag, Group, must, non_negative, positive, setting
 from ..weights import LOAD_METRICS
 
 
@@ -106,7 +106,7 @@ class PolicySettings:
             " hits)",
             type=int,
         ),
-        check=must(lambda n: n >= 0, "must be 0 or more"),
+        check=non_negative,
     )
     load_metric: str | None = setting(
         None,

@@ -202,7 +202,9 @@ class KvAware:
         seen: list[tuple[int, bool]] = []
         for candidate in candidates:
             found = hits.get(candidate)
-            hit, blocks, known = found if found is not None else self._hit(candidate, key, keys)
+            hit, blocks, known = (
+                found if found is not None else self._hit(candidate, key, keys, total)
+            )
             seen.append((blocks, known))
             shares.append(hit)
         if key.text and not any(blocks for blocks, _known in seen):
@@ -241,26 +243,27 @@ class KvAware:
         if view is None or key.tokens is None:
             return self.estimate.uncached_tokens(candidates, key)
         keys = block_keys(key.tokens, view.block_size)
-        hits = {candidate: self._hit(candidate, key, keys) for candidate in candidates}
+        total = self._blocks(key, keys)
+        hits = {candidate: self._hit(candidate, key, keys, total) for candidate in candidates}
         shares = {candidate: hit for candidate, (hit, _blocks, _known) in hits.items()}
         homes = None
         if key.text and not any(blocks for _hit, blocks, _known in hits.values()):
             homes = shares = self._homes(candidates, key.text)
         self._read = (key, keys, hits, homes)
-        cached_per_hit = self._blocks(key, keys) * view.block_size
+        cached_per_hit = total * view.block_size
         return {
             candidate: max(key.prompt_tokens - round(share * cached_per_hit), 0)
             for candidate, share in shares.items()
         }
 
     def _hit(
-        self, candidate: Endpoint, key: RoutingKey, keys: list[int]
+        self, candidate: Endpoint, key: RoutingKey, keys: list[int], total: int
     ) -> tuple[float, int, bool]:
-        """(hit share, blocks credited, known) of one candidate."""
+        """(hit share of the prompt's ``total`` blocks, blocks credited, known) of one
+        candidate."""
         assert self._view is not None
         found = self._view.index(candidate.url, candidate.rank)
         blocks, credit = found[0].match(keys) if found is not None and keys else (0, 0.0)
-        total = self._blocks(key, keys)
         lower = credit / total if total else 0.0
         if found is not None and found[1]:
             return lower, blocks, True
