@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ SCENARIOS = (
     "workers",
     "caps",
     "mixed",
+    "kv_aware",
 )
 
 
@@ -549,6 +551,115 @@ def _mixed(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def _setup(row: dict[str, Any]) -> str:
+    if row["replicas"] > 1:
+        return f"{row['replicas']} replicas"
+    return "one router" if row["workers"] == 1 else f"--workers {row['workers']}"
+
+
+def _kv_rows(rows: list[dict[str, Any]], label: str) -> list[list[str]]:
+    """One table row per (router, policy, setup, ``label`` field if any): the medians of its
+    runs."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        name = f"{'ours' if row['router'] == 'ours' else 'vllm-router'} {row['policy']}"
+        groups.setdefault((name, _setup(row), str(row.get(label, ""))), []).append(row)
+
+    def mid(runs: list[dict[str, Any]], field: str) -> float | None:
+        values = [r[field] for r in runs if r.get(field) is not None]
+        return statistics.median(values) if values else None
+
+    out = []
+    for (name, setup, extra), runs in groups.items():
+        hits = mid(runs, "hit_rate")
+        out.append(
+            [
+                name,
+                setup,
+                *([extra] if label else []),
+                str(len(runs)),
+                "n/a" if hits is None else f"{hits:.1%}",
+                _f(mid(runs, "ttfb_p50_ms"), 0),
+                _f(mid(runs, "ttfb_p99_ms"), 0),
+                _f(mid(runs, "req_per_s")),
+                _f(mid(runs, "router_cpu_ms_per_req"), 2),
+                str(sum(r["failed"] for r in runs)),
+            ]
+        )
+    return out
+
+
+def _kv_aware(data: dict[str, Any]) -> list[str]:
+    """Section 9: PD under prefill cache pressure, ``kv_aware`` against ``cache_aware`` and
+    vllm-router (see benchmarks/kv_aware.py); each part the file holds."""
+    out = [
+        "## 9. kv_aware: PD under prefill cache pressure",
+        "",
+        "2 prefill simulators (one prompt at a time, each caching about 6 of 32 prefix groups)"
+        " publishing vLLM's KV events, 1 decode simulator (one SSE event per token, 20 ms"
+        " apart), 64 closed-loop clients; hit rate is the simulators' own (cached / prompt"
+        " tokens). Rows are medians over runs; router CPU is per request (one router only).",
+        "",
+    ]
+    header = ["router / policy", "setup", "runs", "prefill hits", "TTFT p50 ms", "TTFT p99 ms",
+              "req/s", "router CPU ms / req", "failed"]  # fmt: skip
+    if data.get("configs"):
+        out += _table(header, _kv_rows(data["configs"], ""))
+        out.append("")
+    for row in data.get("restart", []):
+        out.append(
+            f"- Router restarted in front of warm engines, {row['policy']}: hit rate over its"
+            f" first 100 requests {row['hit_rate_first_100']:.1%}."
+        )
+    idle = data.get("idle")
+    if idle:
+        counts = ", ".join(
+            f"{idle['index_blocks'].get(url)} / {blocks}"
+            for url, blocks in idle["sim_blocks"].items()
+        )
+        out.append(
+            "- Idle: the index's block counts equal the simulators', engine by engine:"
+            f" {'yes' if idle['equal'] else 'no'} (index / simulator: {counts})."
+        )
+    if data.get("tokenizer"):
+        out += ["", "**Tokens per request**: engine `/tokenize` against a local tokenizer", ""]
+        labelled = [
+            dict(r, tokens=f"{r['tokens']}, {r['clients']} client{'s' * (r['clients'] != 1)}")
+            for r in data["tokenizer"]
+        ]
+        out += _table([*header[:2], "tokens", *header[2:]], _kv_rows(labelled, "tokens"))
+    rounds = data.get("rounds")
+    if rounds:
+        out += [
+            "",
+            "**Rounds**: each variant paired with `cache_aware` in the same round (TTFT p99"
+            " ratio: median of the pairs, and of all paired requests pooled with its 90 %"
+            " interval over resampled rounds)",
+            "",
+        ]
+        rows: list[list[str]] = []
+        for p in rounds["pairs"]:
+            pooled = p.get("pooled_p99_ratio")
+            band = p.get("pooled_p99_ratio_90")
+            rows.append(
+                [
+                    p["variant"],
+                    _setup(p),
+                    str(p["rounds"]),
+                    f"{p['hit_rate']:.1%}",
+                    f"{p['hit_diff_points_median']:+.1f}",
+                    _f(p["p99_ratio_median"], 2),
+                    f"{p['pairs_under_1']} of {p['rounds']}",
+                    "n/a" if pooled is None else _f(pooled, 2),
+                    "n/a" if not band else f"{band[0]:.2f}-{band[1]:.2f}",
+                ]
+            )
+        columns = ["variant", "setup", "rounds", "hits", "hits vs ref (points)", "p99 ratio",
+                   "pairs under 1", "pooled p99 ratio", "90 %"]  # fmt: skip
+        out += _table(columns, rows)
+    return [*out, ""]
+
+
 def write_report(command: str) -> Path:
     """Regenerate ``report.md`` and the charts from the newest results of each scenario."""
     parts: list[str] = [
@@ -586,6 +697,8 @@ def write_report(command: str) -> Path:
             parts += _caps(data)
         elif scenario == "mixed":
             parts += _mixed(data)
+        elif scenario == "kv_aware":
+            parts += _kv_aware(data)
         else:
             parts += _radix(data)
     parts += ["Sources: " + ", ".join(sources), ""]
