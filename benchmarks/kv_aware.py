@@ -322,6 +322,12 @@ def _tokenizer_rows(ctx: Context, procs: ProcessSet, client: httpx.Client) -> li
     variants = [
         ("ours", "cache_aware", "estimate", []),
         ("ours", "kv_aware", "local tokenizer", local),
+        (
+            "ours",
+            "kv_aware",
+            "local tokenizer, stitched",
+            [*local, "--kv-tokenize-cut-chars", "32"],
+        ),
     ]
     if ctx.vllm_router:
         variants.append(("vllm", "cache_aware", "estimate", []))

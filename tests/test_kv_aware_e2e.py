@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 import httpx
 import trio
+from tokenizers import Tokenizer
 
 from trio_pdrouter.config import RouterConfig, ServerSettings
 from trio_pdrouter.kv_sources import KvEventSettings
@@ -119,6 +120,35 @@ async def test_a_local_tokenizer_credits_text_and_chat_without_tokenize_calls(
         for i in range(3):
             again = [*CHAT[:1], {"role": "user", "content": f"q{i}"}]
             assert await served_by(r, "/v1/chat/completions", {"messages": again}) == chat_first
+        for s in r.sims:
+            stats = (await r.client.get(s.url + "/sim/stats")).json()
+            assert stats["received"].get("/tokenize", 0) == 0
+
+
+async def test_a_local_tokenizer_stitches_shared_starts_and_credits_every_block(
+    tmp_path: Path,
+) -> None:
+    model = write_model_dir(tmp_path / "model", [DOC, "q0 q1 q2 q3 first last"])
+    sim = attrs.evolve(SIM, tokenizer=str(model / "tokenizer.json"))
+    engine = Tokenizer.from_file(str(model / "tokenizer.json"))
+    async with rig(sim=sim, tokenizer_path=str(model), tokenize_cut_chars=32) as r:
+        await eventually(lambda: _all_known(r))
+        first = await served_by(r, "/v1/completions", {"prompt": DOC + "first"})
+        await eventually(lambda: _blocks_somewhere(r))
+        for i in range(4):
+            prompt = DOC + f"q{i} and the rest of a question"
+            resp = await r.client.post(
+                r.router.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}
+            )
+            assert resp.headers["x-trio-pdrouter-worker"] == first
+            # Every block of the whole prompt counted (the engine's own ids), the document's
+            # all credited.
+            matched, total = resp.headers["x-trio-pdrouter-kv"].removesuffix(";known").split("/")
+            assert int(total) == len(engine.encode(prompt).ids) // 16
+            assert int(matched) >= len(engine.encode(DOC).ids) // 16 - 1
+        metrics = (await r.client.get(r.router.url + "/metrics")).text
+        assert 'trio_pdrouter_kv_tokenize_total{outcome="local"} 1.0' in metrics
+        assert 'trio_pdrouter_kv_tokenize_total{outcome="stitched"} 4.0' in metrics
         for s in r.sims:
             stats = (await r.client.get(s.url + "/sim/stats")).json()
             assert stats["received"].get("/tokenize", 0) == 0

@@ -4,19 +4,23 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
-from tokenizers import Tokenizer
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
 from trio_pdrouter import local_tokenizer
 from trio_pdrouter.cli import parse_config
 from trio_pdrouter.local_tokenizer import LocalTokenizer
 from trio_pdrouter.policies import RoutingKey
-from trio_pdrouter.prompt_tokens import PromptTokens, tokenize_request
+from trio_pdrouter.prompt_tokens import CUT_MARGIN_TOKENS, PromptTokens, tokenize_request
 from trio_pdrouter.upstream import LegClient
 from trio_pdrouter_sim.requests import tokenize
 from trio_pdrouter_sim.text_tokens import TextTokens
@@ -173,3 +177,137 @@ async def test_named_templates_and_a_template_file_are_read(model_dir: Path) -> 
     (filed / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
     (filed / "chat_template.jinja").write_text(config["chat_template"])
     assert await LocalTokenizer.load(str(filed)).ids({"messages": chat}) == expected
+
+
+# Stitching: a shared start encoded once, the rest of each prompt from a word boundary.
+
+_WORDS = (
+    "the prefix cache holds blocks of tokens routing engines answer Alpha BETA naïve don't it's"
+    " co-operate 3.14 2026 http://example.org/a?b=c snake_case camelCase 日本語 emoji🙂"
+).split()
+_PIECES = st.sampled_from([*_WORDS, " ", "  ", "\n", "\n\n", ", ", ". ", "42", "é", "\t"])
+
+
+def _trained(
+    directory: Path,
+    pre: pre_tokenizers.PreTokenizer,
+    *,
+    normalizer: normalizers.Normalizer | None = None,
+    template: str = "<s> $A",
+) -> LocalTokenizer:
+    """A small BPE tokenizer of the given make, loaded as the router loads one."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre
+    if normalizer is not None:
+        tokenizer.normalizer = normalizer
+    corpus = [" ".join(random.Random(g).choices(_WORDS, k=300)) for g in range(8)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=500,
+        special_tokens=["<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=template,
+        pair="<s> $A $B",
+        special_tokens=[
+            ("<s>", tokenizer.token_to_id("<s>")),
+            ("</s>", tokenizer.token_to_id("</s>")),
+        ],
+    )
+    directory.mkdir(parents=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return LocalTokenizer.load(str(directory))
+
+
+@pytest.fixture(scope="module")
+def makes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LocalTokenizer]:
+    """Tokenizers built the ways real ones are: byte-level (GPT-2, Llama 3, Qwen), with a
+    prefix space added and an end token, SentencePiece-like (Metaspace), and one whose
+    normalizer prepends a character (Llama 2's tokenizer.json)."""
+    root = tmp_path_factory.mktemp("makes")
+    return {
+        "byte-level": _trained(root / "a", pre_tokenizers.ByteLevel(add_prefix_space=False)),
+        "prefix space, end token": _trained(
+            root / "b", pre_tokenizers.ByteLevel(add_prefix_space=True), template="<s> $A </s>"
+        ),
+        "metaspace": _trained(root / "c", pre_tokenizers.Metaspace()),
+        "prepending normalizer": _trained(
+            root / "d",
+            pre_tokenizers.Metaspace(prepend_scheme="never", split=False),
+            normalizer=normalizers.Sequence(
+                [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+            ),
+        ),
+    }
+
+
+@given(st.lists(_PIECES, min_size=30, max_size=200), st.floats(0.2, 1.0))
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_a_stitched_prompt_has_the_ids_of_the_whole(
+    makes: dict[str, LocalTokenizer], pieces: list[str], where: float
+) -> None:
+    prompt = "".join(pieces)
+    shared = prompt[: int(len(prompt) * where)]
+    for make, local in makes.items():
+        start = trio.run(local.start, shared, CUT_MARGIN_TOKENS)
+        assert start is not None, make
+        stitched = trio.run(local.stitched, start, prompt)
+        whole = trio.run(local.ids, {"prompt": prompt})
+        assert stitched == whole, make
+
+
+def test_a_start_is_cut_at_a_word_where_the_words_are_split_alike(
+    makes: dict[str, LocalTokenizer],
+) -> None:
+    doc = "the prefix cache holds blocks of tokens, routing engines answer. " * 20
+    for make, local in makes.items():
+        start = trio.run(local.start, doc, CUT_MARGIN_TOKENS)
+        assert start is not None
+        if make == "prepending normalizer":  # one word, whatever the text: encoded whole
+            assert start == local_tokenizer.WHOLE
+            continue
+        assert len(doc) - 60 < start.chars < len(doc), make
+        assert doc[start.chars - 1] in " ," or doc[start.chars] == " ", make
+        # One word: a longer prompt may merge its end differently, so no cut inside it.
+        word = "routingengines" * 50
+        assert trio.run(local.start, word, CUT_MARGIN_TOKENS) == local_tokenizer.WHOLE, make
+
+
+async def test_prompts_sharing_a_start_are_stitched_with_every_id(model_dir: Path) -> None:
+    calls: list[dict[str, object]] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(orjson.loads(request.content))
+        return httpx.Response(500)
+
+    outcomes: list[str] = []
+    doc = "A shared document about prefix caching and routing, with ümlauts. " * 12
+    tokens = PromptTokens(
+        LegClient(transport=httpx.MockTransport(handler)),
+        lambda: ["http://e:1"],
+        local=LocalTokenizer.load(str(model_dir)),
+        seen=lambda text: len(doc) if text.startswith(doc) else 0,
+        cut_chars=32,
+        on_outcome=outcomes.append,
+    )
+    for i in range(3):
+        prompt = doc + f"question {i}: q1 q2?"
+        key = await tokens.key_with_tokens({"prompt": prompt}, RoutingKey(text=prompt))
+        assert key.tokens == engine(model_dir).prompt(prompt, special=True).ids
+        assert key.prompt_tokens == len(key.tokens) and not key.partial_tokens
+    assert outcomes == ["stitched"] * 3 and calls == []
+    # One start cached (its ids short of the cut), not the prompts.
+    assert 0 < tokens.cached_tokens < len(engine(model_dir).prompt(doc, special=True).ids)
+
+
+def test_starts_are_stitched_by_default_where_the_router_tokenizes(model_dir: Path) -> None:
+    pd = ["--vllm-pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://d:1"]
+    local = ["--kv-tokenizer-path", str(model_dir)]
+    assert parse_config(pd).kv_events.cut_chars() == 0  # the engine's /tokenize: whole
+    assert parse_config([*pd, *local]).kv_events.cut_chars() == 32
+    given = [*local, "--kv-tokenize-cut-chars", "0"]
+    assert parse_config([*pd, *given]).kv_events.cut_chars() == 0

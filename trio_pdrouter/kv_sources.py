@@ -38,6 +38,11 @@ __all__ = [
 ]
 
 
+#: ``--kv-tokenize-cut-chars`` with ``--kv-tokenizer-path`` unless given: shared starts are
+#: cached at a multiple of this many characters.
+STITCH_CUT_CHARS = 32
+
+
 def _tuple(values: list[str] | None) -> tuple[str, ...]:
     return tuple(values or ())
 
@@ -130,21 +135,29 @@ class KvEventSettings:
         check=_loadable,
     )
 
-    tokenize_cut_chars: int = setting(
-        0,
+    tokenize_cut_chars: int | None = setting(
+        None,
         Flag(
             "--kv-tokenize-cut-chars",
             Group.ROUTING_POLICY,
             "kv_aware: N > 0 tokenizes a text prompt whose start (512 characters or more) the"
-            " router has sent before up to that start only, cut at a multiple of N characters"
-            " (32 suits), and caches the start's ids: prompts sharing a long start cost no"
-            " /tokenize call or local encode after the first two; the rest of the prompt is"
-            " counted by estimate and gets no credit (measured: less router CPU, 1-1.5 points"
-            " fewer hits; README). Default 0: every prompt whole",
+            " router has sent before up to that start, cut at a multiple of N characters, and"
+            " caches the start's ids. With --kv-tokenizer-path the rest is encoded from a word"
+            " boundary and every id kept (exact, measured cheaper than a whole encode); with"
+            " /tokenize the rest is counted by estimate and gets no credit (measured: less"
+            " router CPU, 1-1.5 points fewer hits; README). 0: every prompt whole. Default: 32"
+            " with --kv-tokenizer-path, else 0",
             type=int,
         ),
         check=non_negative,
     )
+
+    def cut_chars(self) -> int:
+        """``--kv-tokenize-cut-chars`` as given, else its default: starts stitched where the
+        router tokenizes (no credit lost), whole prompts where an engine does."""
+        if self.tokenize_cut_chars is not None:
+            return self.tokenize_cut_chars
+        return STITCH_CUT_CHARS if self.tokenizer_path is not None else 0
 
     @property
     def any(self) -> bool:

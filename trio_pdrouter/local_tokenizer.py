@@ -20,6 +20,16 @@ The rules, as vLLM's ``/tokenize`` applies them:
 * Encoding is Rust (``tokenizers``) and releases the GIL: prompts up to :data:`INLINE_CHARS`
   are encoded in the router's thread (a thread hop would cost more), longer ones in a worker
   thread, so a long prompt never stalls every stream of the process.
+* A text prompt whose start is shared with earlier prompts can be encoded in two parts
+  (:meth:`LocalTokenizer.start` once per start, :meth:`LocalTokenizer.stitched` per prompt):
+  the start's ids up to a word boundary some ids before its end, and the rest of the prompt
+  from that boundary. Tokenizers split text into words before merging, so from the start of a
+  word the text encodes the same whether or not what comes before is given; each start checks
+  this on itself (its tail re-encoded from the boundary must give its own tail ids), and a
+  tokenizer whose words are not split so (no word boundary, a normalizer that prepends, a
+  prefix space added) gives no start: the prompt is encoded whole. The special tokens the
+  tokenizer adds around a text (``<s>``...) are found once, by encoding a probe with and
+  without them, and put around the stitched ids.
 """
 
 from __future__ import annotations
@@ -31,17 +41,35 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import attrs
 import jinja2
 import trio
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-__all__ = ["INLINE_CHARS", "LocalTokenizer", "TokenizerFilesError"]
+__all__ = ["INLINE_CHARS", "LocalTokenizer", "Start", "TokenizerFilesError"]
 
 #: Characters of prompt encoded in the router's own thread; longer prompts go to a worker thread.
 INLINE_CHARS = 8 * 1024
 #: Compiled chat templates kept (the model's and those requests brought).
 TEMPLATES_KEPT = 16
+
+
+#: Text encoded with and without special tokens to find those the tokenizer adds around a text.
+_PROBE = "the probe"
+
+
+@attrs.frozen
+class Start:
+    """A prompt start encoded once: its ids (no special tokens) before character ``chars``, a
+    word boundary from which the rest of any prompt with this start is encoded."""
+
+    ids: tuple[int, ...]
+    chars: int
+
+
+#: A start with no usable boundary: the prompt is encoded whole.
+WHOLE = Start((), 0)
 
 
 class TokenizerFilesError(ValueError):
@@ -90,6 +118,17 @@ class LocalTokenizer:
         #: Bodies declined (the engine was asked) and encodings done in a worker thread.
         self.declined = 0
         self.threaded = 0
+        self._around = self._specials_around()
+
+    def _specials_around(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The ids the tokenizer adds before and after a text's own, or None if a text's own
+        ids are not found among those it gets with special tokens."""
+        framed = self._tokenizer.encode(_PROBE, add_special_tokens=True).ids
+        bare = self._tokenizer.encode(_PROBE, add_special_tokens=False).ids
+        for i in range(len(framed) - len(bare) + 1):
+            if framed[i : i + len(bare)] == bare:
+                return tuple(framed[:i]), tuple(framed[i + len(bare) :])
+        return None
 
     @staticmethod
     @lru_cache(maxsize=4)
@@ -143,6 +182,44 @@ class LocalTokenizer:
         # The batch call releases the GIL (a single encode holds it), and "fast" skips offsets.
         (encoding,) = self._tokenizer.encode_batch_fast([text], add_special_tokens=special)
         return tuple(encoding.ids)
+
+    async def start(self, text: str, margin: int) -> Start | None:
+        """``text`` as a shared start (module doc): its ids up to the last word boundary at
+        least ``margin`` ids before its end; :data:`WHOLE` (the prompt encoded whole) where
+        this text has none that passes the check; None if the tokenizer's special tokens
+        cannot be put around stitched ids."""
+        if self._around is None:
+            return None
+        if len(text) <= INLINE_CHARS:
+            return self._start(text, margin)
+        self.threaded += 1
+        return await trio.to_thread.run_sync(self._start, text, margin)
+
+    def _start(self, text: str, margin: int) -> Start | None:
+        (encoding,) = self._tokenizer.encode_batch([text], add_special_tokens=False)
+        ids, words = encoding.ids, encoding.word_ids
+        k = min(len(ids) - margin, len(ids) - 1)
+        while k > 0 and (words[k] is None or words[k] == words[k - 1]):
+            k -= 1
+        if k <= 0:
+            return WHOLE
+        chars = encoding.offsets[k][0]
+        if self._encode(text[chars:], False) != tuple(ids[k:]):
+            return WHOLE
+        return Start(tuple(ids[:k]), chars)
+
+    async def stitched(self, start: Start, prompt: str) -> tuple[int, ...]:
+        """The ids the engine gives ``prompt`` (a text completion, special tokens added),
+        which begins with the text ``start`` came from."""
+        assert self._around is not None  # no Start without it
+        head, tail = self._around
+        rest = prompt[start.chars :]
+        if len(rest) <= INLINE_CHARS:
+            ids = self._encode(rest, False)
+        else:
+            self.threaded += 1
+            ids = await trio.to_thread.run_sync(self._encode, rest, False)
+        return head + start.ids + ids + tail
 
     def _text(self, request: Mapping[str, object]) -> tuple[str, bool] | None:
         """The text to encode and whether special tokens are added, or None (declined)."""

@@ -173,7 +173,8 @@ class RouterMetrics:
         self.kv_tokenize = Counter(
             p + "kv_tokenize",
             "kv_aware: prompts' token ids by where they came from (cached, local: the router's"
-            " tokenizer, engine: an engine's /tokenize) or failed (routed on the estimate).",
+            " tokenizer, stitched: the router's, a cached shared start and the rest encoded,"
+            " engine: an engine's /tokenize) or failed (routed on the estimate).",
             ["outcome"],
             registry=r,
         )

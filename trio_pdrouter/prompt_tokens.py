@@ -23,12 +23,17 @@ The rules:
   The prompt's count is the start's ids plus the rest's estimate from its length. A chat, a
   prompt with no such start and one sent whole before are tokenized whole, as the engine will
   see them.
+* With a local tokenizer and ``cut_chars``, such a prompt keeps every id instead: the start is
+  encoded once up to a word boundary some ids before the cut and cached
+  (:meth:`~.local_tokenizer.LocalTokenizer.start`), and each prompt's rest is encoded from that
+  boundary (:meth:`~.local_tokenizer.LocalTokenizer.stitched`, outcome ``stitched``): the
+  ids of the whole prompt for the cost of encoding its end.
 * Answers are cached, keyed by a digest of the exact JSON sent, so a repeated prompt (or start)
   costs no call; the cache holds at most ``cache_size`` answers and ``cache_tokens`` token ids,
   the least recently used dropped first.
 * Any failure (no healthy server, an error status, a timeout, a malformed answer) leaves the
   key without tokens: the policy then uses its estimate. The request is never failed for it.
-* Each lookup's outcome (``cached``, ``local``, ``engine`` or ``failed``) goes to
+* Each lookup's outcome (``cached``, ``local``, ``stitched``, ``engine`` or ``failed``) goes to
   ``on_outcome`` (``trio_pdrouter_kv_tokenize_total``).
 * This runs before routing (it awaits); routing itself stays synchronous.
 
@@ -54,7 +59,7 @@ import httpx
 import orjson
 import trio
 
-from .local_tokenizer import LocalTokenizer
+from .local_tokenizer import LocalTokenizer, Start
 from .policies import RoutingKey
 from .upstream import LegClient, post_capped
 from .weights import prompt_tokens
@@ -127,7 +132,9 @@ class PromptTokens:
         self._local = local
         self._servers = servers
         self._timeout_s = timeout_s
-        self._cache: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        #: Answers by digest of the JSON asked, and a local tokenizer's starts by digest of
+        #: their text (module doc).
+        self._cache: OrderedDict[bytes, tuple[int, ...] | Start] = OrderedDict()
         self._cache_size = cache_size
         self._cache_tokens = cache_tokens
         #: Token ids held in the cache.
@@ -153,6 +160,9 @@ class PromptTokens:
             return key
         prompt = request.get("prompt")
         if isinstance(prompt, str) and (cut := self._cut(prompt)):
+            ids = await self._stitched(prompt, cut) if self._local is not None else None
+            if ids is not None:
+                return attrs.evolve(key, tokens=ids, prompt_tokens=len(ids))
             start = await self._tokens({"prompt": prompt[:cut]})
             if start is None or len(start) <= CUT_MARGIN_TOKENS:
                 return key
@@ -179,12 +189,29 @@ class PromptTokens:
         cut = shared - shared % self._cut_chars
         return cut if cut >= MIN_CUT_CHARS else 0
 
+    async def _stitched(self, prompt: str, cut: int) -> tuple[int, ...] | None:
+        """A text prompt's ids from the local tokenizer: its start's (up to ``cut``), cached,
+        and the rest's (:meth:`~.local_tokenizer.LocalTokenizer.stitched`); None if that
+        tokenizer cannot stitch."""
+        assert self._local is not None
+        digest = hashlib.blake2b(prompt[:cut].encode(), digest_size=16, person=b"start").digest()
+        start = self._cache.get(digest)
+        if isinstance(start, Start):
+            self._cache.move_to_end(digest)
+        else:
+            start = await self._local.start(prompt[:cut], CUT_MARGIN_TOKENS)
+            if start is None:
+                return None
+            self._keep(digest, start)
+        self._on_outcome("stitched" if start.ids else "local")  # no boundary: encoded whole
+        return await self._local.stitched(start, prompt)
+
     async def _tokens(self, request: Mapping[str, object]) -> tuple[int, ...] | None:
         """The ids of one ``/tokenize`` body: cached, else encoded here or asked."""
         raw = orjson.dumps(request)
         digest = hashlib.blake2b(raw, digest_size=16).digest()
         cached = self._cache.get(digest)
-        if cached is not None:
+        if isinstance(cached, tuple):
             self._cache.move_to_end(digest)
             self._on_outcome("cached")
             return cached
@@ -194,12 +221,19 @@ class PromptTokens:
             tokens = await self._ask(raw)
             outcome = "engine" if tokens is not None else "failed"
         self._on_outcome(outcome)
-        if tokens is not None and len(tokens) <= self._cache_tokens:
-            self._cache[digest] = tokens
-            self.cached_tokens += len(tokens)
-            while len(self._cache) > self._cache_size or self.cached_tokens > self._cache_tokens:
-                self.cached_tokens -= len(self._cache.popitem(last=False)[1])
+        if tokens is not None:
+            self._keep(digest, tokens)
         return tokens
+
+    def _keep(self, digest: bytes, value: tuple[int, ...] | Start) -> None:
+        """Cache ``value``, then drop the least recently used beyond the cache's bounds."""
+        size = _ids_in(value)
+        if size > self._cache_tokens:
+            return
+        self._cache[digest] = value
+        self.cached_tokens += size
+        while len(self._cache) > self._cache_size or self.cached_tokens > self._cache_tokens:
+            self.cached_tokens -= _ids_in(self._cache.popitem(last=False)[1])
 
     async def count(self, request: Mapping[str, object]) -> int | None:
         """The engine's token count for a ``/tokenize`` body (:func:`tokenize_request`), None
@@ -247,6 +281,10 @@ class PromptTokens:
         if answer is None:
             self.failures += 1
         return answer
+
+
+def _ids_in(value: tuple[int, ...] | Start) -> int:
+    return len(value.ids) if isinstance(value, Start) else len(value)
 
 
 async def _read_count(resp: httpx.Response) -> int | None:

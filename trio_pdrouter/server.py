@@ -250,7 +250,7 @@ def build_app(
             api_key=config.upstream_api_key,
             local=local,
             seen=first.seen_chars if isinstance(first, KvAware) else None,
-            cut_chars=config.kv_events.tokenize_cut_chars,
+            cut_chars=config.kv_events.cut_chars(),
             on_outcome=metrics.tokenized,
         )
     generating = Role.DECODE if config.pd else Role.REGULAR
