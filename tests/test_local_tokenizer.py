@@ -286,22 +286,29 @@ async def test_prompts_sharing_a_start_are_stitched_with_every_id(model_dir: Pat
 
     outcomes: list[str] = []
     doc = "A shared document about prefix caching and routing, with ümlauts. " * 12
+    shared = {"chars": len(doc)}  # 792: cut at 768
     tokens = PromptTokens(
         LegClient(transport=httpx.MockTransport(handler)),
         lambda: ["http://e:1"],
         local=LocalTokenizer.load(str(model_dir)),
-        seen=lambda text: len(doc) if text.startswith(doc) else 0,
+        seen=lambda text: shared["chars"] if text.startswith(doc) else 0,
         cut_chars=32,
         on_outcome=outcomes.append,
     )
-    for i in range(3):
-        prompt = doc + f"question {i}: q1 q2?"
+    held = 0
+    for i in range(4):
+        prompt = doc + f"question {i}: q1 q2, and more words than the cut takes?"
+        # The last prompts share more with the earlier ones (their cut is 800 or 832): the
+        # start cut at 768 serves them too.
+        shared["chars"] = len(doc) + (0, 0, 33, 50)[i]
         key = await tokens.key_with_tokens({"prompt": prompt}, RoutingKey(text=prompt))
         assert key.tokens == engine(model_dir).prompt(prompt, special=True).ids
         assert key.prompt_tokens == len(key.tokens) and not key.partial_tokens
-    assert outcomes == ["stitched"] * 3 and calls == []
+        if i == 0:
+            held = tokens.cached_tokens
+    assert outcomes == ["stitched"] * 4 and calls == []
     # One start cached (its ids short of the cut), not the prompts.
-    assert 0 < tokens.cached_tokens < len(engine(model_dir).prompt(doc, special=True).ids)
+    assert 0 < tokens.cached_tokens == held < len(engine(model_dir).prompt(doc, special=True).ids)
 
 
 def test_starts_are_stitched_by_default_where_the_router_tokenizes(model_dir: Path) -> None:

@@ -25,9 +25,9 @@ The rules, as vLLM's ``/tokenize`` applies them:
   the start's ids up to a word boundary some ids before its end, and the rest of the prompt
   from that boundary. Tokenizers split text into words before merging, so from the start of a
   word the text encodes the same whether or not what comes before is given; each start checks
-  this on itself (its tail re-encoded from the boundary must give its own tail ids), and a
-  tokenizer whose words are not split so (no word boundary, a normalizer that prepends, a
-  prefix space added) gives no start: the prompt is encoded whole. The special tokens the
+  this on itself (its tail re-encoded from the boundary must give its own tail ids); where
+  that fails (no word boundary, a normalizer that prepends to every text) the prompt is
+  encoded whole. The special tokens the
   tokenizer adds around a text (``<s>``...) are found once, by encoding a probe with and
   without them, and put around the stitched ids.
 """

@@ -90,6 +90,9 @@ SLICE_CHARS = 256 * 1024
 _COUNT = re.compile(rb'\s*\{\s*"count"\s*:\s*([0-9]+)\s*[,}]')
 #: The shortest start of a prompt tokenized on its own (module doc); shorter, the whole prompt.
 MIN_CUT_CHARS = 512
+#: Cuts looked up for a cached start, the prompt's own and those before it
+#: (:meth:`PromptTokens._cached_start`).
+START_LOOKBACK = 4
 #: Ids dropped from the end of a start's: a word the cut splits is tokenized differently in
 #: the whole prompt, and a tokenizer may end a text with special ids.
 CUT_MARGIN_TOKENS = 8
@@ -194,17 +197,29 @@ class PromptTokens:
         and the rest's (:meth:`~.local_tokenizer.LocalTokenizer.stitched`); None if that
         tokenizer cannot stitch."""
         assert self._local is not None
-        digest = hashlib.blake2b(prompt[:cut].encode(), digest_size=16, person=b"start").digest()
-        start = self._cache.get(digest)
-        if isinstance(start, Start):
-            self._cache.move_to_end(digest)
-        else:
+        start = self._cached_start(prompt, cut)
+        if start is None:
             start = await self._local.start(prompt[:cut], CUT_MARGIN_TOKENS)
             if start is None:
                 return None
-            self._keep(digest, start)
+            self._keep(_start_digest(prompt[:cut]), start)
         self._on_outcome("stitched" if start.ids else "local")  # no boundary: encoded whole
         return await self._local.stitched(start, prompt)
+
+    def _cached_start(self, prompt: str, cut: int) -> Start | None:
+        """The cached start of ``prompt`` cut at ``cut``, else at one of the cuts before it
+        (:data:`START_LOOKBACK` in all): where a prompt happens to share a few more
+        characters with an earlier one (a question's first word), its cut falls one step later
+        than its group's, and the group's start serves it as well (any start of the prompt
+        stitches to the same ids)."""
+        step = self._cut_chars
+        for at in range(cut, max(cut - START_LOOKBACK * step, MIN_CUT_CHARS - 1), -step):
+            digest = _start_digest(prompt[:at])
+            start = self._cache.get(digest)
+            if isinstance(start, Start):
+                self._cache.move_to_end(digest)
+                return start
+        return None
 
     async def _tokens(self, request: Mapping[str, object]) -> tuple[int, ...] | None:
         """The ids of one ``/tokenize`` body: cached, else encoded here or asked."""
@@ -281,6 +296,10 @@ class PromptTokens:
         if answer is None:
             self.failures += 1
         return answer
+
+
+def _start_digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=16, person=b"start").digest()
 
 
 def _ids_in(value: tuple[int, ...] | Start) -> int:
