@@ -42,6 +42,8 @@ requests pooled, its ratio and that ratio's 90 % interval over resampled rounds
 (:func:`_pairs`). ``BENCH_KV_VARIANTS`` picks some of them by index (the reference first);
 ``BENCH_KV_CHECKOUT=DIR`` adds a ``kv_aware`` variant run from another checkout (a candidate
 change) with the flags in ``BENCH_KV_CHECKOUT_FLAGS``, one variant per ``;``-separated set.
+``BENCH_KV_TOKENIZER=1`` runs the rounds on the tokenizer rows' simulators (a real BPE
+tokenizer, :func:`_bpe_sims`) with one more variant, ``kv_aware`` tokenizing with it (index 3).
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ def estimate(profile: str) -> float:
     total = float(p["repeats"] * 8 * (seconds + 8) + 60)
     if "rounds" in os.environ.get("BENCH_KV_PARTS", ""):
         rounds, setups = _round_plan()
-        total += rounds * len(setups) * len(_round_variants()) * (seconds + 5)
+        tokenizer = Path("model") if os.environ.get("BENCH_KV_TOKENIZER") else None
+        total += rounds * len(setups) * len(_round_variants(tokenizer)) * (seconds + 5)
     return total
 
 
@@ -296,17 +299,10 @@ def _idle_check(
     }
 
 
-def _tokenizer_rows(ctx: Context, procs: ProcessSet, client: httpx.Client) -> list[dict[str, Any]]:
-    """kv_aware tokenizing through an engine's ``/tokenize`` against ``--kv-tokenizer-path``.
-
-    Simulators that encode with a real (byte-level BPE) tokenizer trained on the workload's
-    text, ~5.2 characters a token, so their prefix cache and prefill cost are scaled to keep
-    the pressure of the rows above (146 blocks, 0.13 ms a token). cache_aware (ours and
-    vllm-router's) is the reference; each configuration runs with 64 clients (one router, then
-    two replicas for cache_aware and the local tokenizer), then with one client sending one
-    group's prompts and asking for one token (every request after the first a hit: the latency
-    that getting the tokens adds).
-    """
+def _bpe_sims(procs: ProcessSet) -> tuple[tuple[list[Service], Service], Path]:
+    """Simulators that encode with a byte-level BPE tokenizer trained on the workload's text
+    (~5.2 characters a token; prefix cache and prefill cost scaled to keep the main rows'
+    pressure: 146 blocks, 0.13 ms a token), and the model directory the router can load."""
     corpus = [prompt_text(random.Random(1000 + g), 2000, f"[group {g}] ") for g in range(32)]
     model = write_model_dir(procs.log_dir / "model", corpus, vocab_size=400)
     tokenizer = ["--tokenizer", str(model / "tokenizer.json")]
@@ -315,18 +311,31 @@ def _tokenizer_rows(ctx: Context, procs: ProcessSet, client: httpx.Client) -> li
     decode = start_sim(
         procs, "tok-decode", "--role", "decode", "--fast", "--itl-base-s", "0.02", *tokenizer
     )
-    sims = (prefill, decode)
+    return (prefill, decode), model
+
+
+def _tokenizer_rows(ctx: Context, procs: ProcessSet, client: httpx.Client) -> list[dict[str, Any]]:
+    """kv_aware tokenizing through an engine's ``/tokenize`` against ``--kv-tokenizer-path``.
+
+    On :func:`_bpe_sims` (a real tokenizer the router can load). cache_aware (ours and
+    vllm-router's) is the reference; each configuration runs with 64 clients (one router, then
+    two replicas for cache_aware and the local tokenizer), then with one client sending one
+    group's prompts and asking for one token (every request after the first a hit: the latency
+    that getting the tokens adds).
+    """
+    sims, model = _bpe_sims(procs)
+    prefill, decode = sims
     local = ["--kv-tokenizer-path", str(model)]
     # (clients, replicas, load): loaded with one router and two, then one client's latency.
     plans = [(CLIENTS, 1, []), (CLIENTS, 2, []), (1, 1, ONE_HOT_GROUP)]
     variants = [
         ("ours", "cache_aware", "estimate", []),
-        ("ours", "kv_aware", "local tokenizer", local),
+        ("ours", "kv_aware", "local tokenizer", local),  # shared starts stitched (its default)
         (
             "ours",
             "kv_aware",
-            "local tokenizer, stitched",
-            [*local, "--kv-tokenize-cut-chars", "32"],
+            "local tokenizer, whole prompts",
+            [*local, "--kv-tokenize-cut-chars", "0"],
         ),
     ]
     if ctx.vllm_router:
@@ -362,11 +371,15 @@ def _tokenizer_rows(ctx: Context, procs: ProcessSet, client: httpx.Client) -> li
     return rows
 
 
-def _round_variants() -> list[tuple[str, str, list[str], Path]]:
+def _round_variants(model: Path | None = None) -> list[tuple[str, str, list[str], Path]]:
     """The ``rounds`` part's variants: (label, prefill policy, extra flags, checkout) each, the
-    reference first (module doc)."""
-    chosen = os.environ.get("BENCH_KV_VARIANTS", ",".join(map(str, range(len(ROUND_VARIANTS)))))
-    variants = [(*ROUND_VARIANTS[int(i)], ROOT) for i in chosen.split(",")]
+    reference first (module doc); on simulators with a real tokenizer (``model``), also
+    ``kv_aware`` tokenizing with it."""
+    known = list(ROUND_VARIANTS)
+    if model is not None:
+        known.append(("kv_aware, local tokenizer", "kv_aware", ["--kv-tokenizer-path", str(model)]))
+    chosen = os.environ.get("BENCH_KV_VARIANTS", ",".join(map(str, range(len(known)))))
+    variants = [(*known[int(i)], ROOT) for i in chosen.split(",")]
     other = os.environ.get("BENCH_KV_CHECKOUT")
     if other:
         for given in os.environ.get("BENCH_KV_CHECKOUT_FLAGS", "").split(";"):
@@ -377,11 +390,15 @@ def _round_variants() -> list[tuple[str, str, list[str], Path]]:
 
 
 def _rounds(
-    ctx: Context, procs: ProcessSet, client: httpx.Client, sims: tuple[list[Service], Service]
+    ctx: Context,
+    procs: ProcessSet,
+    client: httpx.Client,
+    sims: tuple[list[Service], Service],
+    model: Path | None = None,
 ) -> dict[str, Any]:
     """:data:`ROUND_VARIANTS` in interleaved rounds, each paired with the reference's row of
     the same round and process count (module doc)."""
-    variants = _round_variants()
+    variants = _round_variants(model)
     rows = []
     samples: dict[tuple[int, int, str, int], list[float]] = {}
     rounds, plan = _round_plan()
@@ -494,6 +511,13 @@ def run(ctx: Context) -> dict[str, Any]:
     try:
         if "tokenizer" in parts:
             result["tokenizer"] = _tokenizer_rows(ctx, procs, client)
+        if "rounds" in parts and os.environ.get("BENCH_KV_TOKENIZER"):
+            ctx.progress.phase("starting simulators with a tokenizer")
+            bpe, model = _bpe_sims(procs)
+            result["rounds"] = _rounds(ctx, procs, client, bpe, model)
+            for sim in [*bpe[0], bpe[1]]:
+                procs.stop(sim)
+            parts.remove("rounds")
         if "main" not in parts and "rounds" not in parts:
             return result
         ctx.progress.phase("starting simulators")
