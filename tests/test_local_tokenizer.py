@@ -26,6 +26,8 @@ from trio_pdrouter_sim.requests import tokenize
 from trio_pdrouter_sim.text_tokens import TextTokens
 from trio_pdrouter_sim.tokenizer_files import write_model_dir
 
+from .test_prompt_tokens import WORDS
+
 CORPUS = ["A shared document about prefix caching and routing, with ümlauts. " * 4, "q1 q2 q3"]
 
 
@@ -181,11 +183,7 @@ async def test_named_templates_and_a_template_file_are_read(model_dir: Path) -> 
 
 # Stitching: a shared start encoded once, the rest of each prompt from a word boundary.
 
-_WORDS = (
-    "the prefix cache holds blocks of tokens routing engines answer Alpha BETA naïve don't it's"
-    " co-operate 3.14 2026 http://example.org/a?b=c snake_case camelCase 日本語 emoji🙂"
-).split()
-_PIECES = st.sampled_from([*_WORDS, " ", "  ", "\n", "\n\n", ", ", ". ", "42", "é", "\t"])
+_PIECES = st.sampled_from([*WORDS, " ", "  ", "\n", "\n\n", ", ", ". ", "42", "é", "\t"])
 
 
 def _trained(
@@ -200,7 +198,7 @@ def _trained(
     tokenizer.pre_tokenizer = pre
     if normalizer is not None:
         tokenizer.normalizer = normalizer
-    corpus = [" ".join(random.Random(g).choices(_WORDS, k=300)) for g in range(8)]
+    corpus = [" ".join(random.Random(g).choices(WORDS, k=300)) for g in range(8)]
     trainer = trainers.BpeTrainer(
         vocab_size=500,
         special_tokens=["<s>", "</s>", "<unk>"],
@@ -253,8 +251,8 @@ def test_a_stitched_prompt_has_the_ids_of_the_whole(
     prompt = "".join(pieces)
     shared = prompt[: int(len(prompt) * where)]
     for make, local in makes.items():
+        assert local.stitches, make
         start = trio.run(local.start, shared, CUT_MARGIN_TOKENS)
-        assert start is not None, make
         stitched = trio.run(local.stitched, start, prompt)
         whole = trio.run(local.ids, {"prompt": prompt})
         assert stitched == whole, make
@@ -266,7 +264,6 @@ def test_a_start_is_cut_at_a_word_where_the_words_are_split_alike(
     doc = "the prefix cache holds blocks of tokens, routing engines answer. " * 20
     for make, local in makes.items():
         start = trio.run(local.start, doc, CUT_MARGIN_TOKENS)
-        assert start is not None
         if make == "prepending normalizer":  # one word, whatever the text: encoded whole
             assert start == local_tokenizer.WHOLE
             continue

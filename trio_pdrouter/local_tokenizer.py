@@ -27,19 +27,20 @@ The rules, as vLLM's ``/tokenize`` applies them:
   word the text encodes the same whether or not what comes before is given; each start checks
   this on itself (its tail re-encoded from the boundary must give its own tail ids); where
   that fails (no word boundary, a normalizer that prepends to every text) the prompt is
-  encoded whole. The special tokens the
-  tokenizer adds around a text (``<s>``...) are found once, by encoding a probe with and
-  without them, and put around the stitched ids.
+  encoded whole. The special tokens the tokenizer adds around a text (``<s>``...) are found
+  once, by encoding a probe with and without them, and put around the stitched ids; a
+  tokenizer whose text ids are not found among them does not stitch
+  (:attr:`LocalTokenizer.stitches`).
 """
 
 from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import jinja2
@@ -48,6 +49,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 __all__ = ["INLINE_CHARS", "LocalTokenizer", "Start", "TokenizerFilesError"]
+
+_A = TypeVar("_A")
+_R = TypeVar("_R")
 
 #: Characters of prompt encoded in the router's own thread; longer prompts go to a worker thread.
 INLINE_CHARS = 8 * 1024
@@ -173,29 +177,34 @@ class LocalTokenizer:
             self.declined += 1
             return None
         text, special = found
+        return await self._off_loop(self._encode, text, special)
+
+    async def _off_loop(self, work: Callable[[str, _A], _R], text: str, arg: _A) -> _R:
+        """``work(text, arg)``: here for a ``text`` of up to :data:`INLINE_CHARS` characters (a
+        thread hop would cost more), else in a worker thread (module doc)."""
         if len(text) <= INLINE_CHARS:
-            return self._encode(text, special)
+            return work(text, arg)
         self.threaded += 1
-        return await trio.to_thread.run_sync(self._encode, text, special)
+        return await trio.to_thread.run_sync(work, text, arg)
 
     def _encode(self, text: str, special: bool) -> tuple[int, ...]:
         # The batch call releases the GIL (a single encode holds it), and "fast" skips offsets.
         (encoding,) = self._tokenizer.encode_batch_fast([text], add_special_tokens=special)
         return tuple(encoding.ids)
 
-    async def start(self, text: str, margin: int) -> Start | None:
-        """``text`` as a shared start (module doc): its ids up to the last word boundary at
-        least ``margin`` ids before its end; :data:`WHOLE` (the prompt encoded whole) where
-        this text has none that passes the check; None if the tokenizer's special tokens
-        cannot be put around stitched ids."""
-        if self._around is None:
-            return None
-        if len(text) <= INLINE_CHARS:
-            return self._start(text, margin)
-        self.threaded += 1
-        return await trio.to_thread.run_sync(self._start, text, margin)
+    @property
+    def stitches(self) -> bool:
+        """Whether :meth:`start` and :meth:`stitched` may be used: the special tokens this
+        tokenizer puts around a text are known (module doc)."""
+        return self._around is not None
 
-    def _start(self, text: str, margin: int) -> Start | None:
+    async def start(self, text: str, margin: int) -> Start:
+        """``text`` as a shared start (module doc): its ids up to the last word boundary at
+        least ``margin`` ids before its end, or :data:`WHOLE` (the prompt encoded whole) where
+        this text has none that passes the check. Only where :attr:`stitches`."""
+        return await self._off_loop(self._start, text, margin)
+
+    def _start(self, text: str, margin: int) -> Start:
         (encoding,) = self._tokenizer.encode_batch([text], add_special_tokens=False)
         ids, words = encoding.ids, encoding.word_ids
         k = min(len(ids) - margin, len(ids) - 1)
@@ -211,15 +220,10 @@ class LocalTokenizer:
     async def stitched(self, start: Start, prompt: str) -> tuple[int, ...]:
         """The ids the engine gives ``prompt`` (a text completion, special tokens added),
         which begins with the text ``start`` came from."""
-        assert self._around is not None  # no Start without it
+        assert self._around is not None  # only where it stitches
         head, tail = self._around
         rest = prompt[start.chars :]
-        if len(rest) <= INLINE_CHARS:
-            ids = self._encode(rest, False)
-        else:
-            self.threaded += 1
-            ids = await trio.to_thread.run_sync(self._encode, rest, False)
-        return head + start.ids + ids + tail
+        return head + start.ids + await self._off_loop(self._encode, rest, False) + tail
 
     def _text(self, request: Mapping[str, object]) -> tuple[str, bool] | None:
         """The text to encode and whether special tokens are added, or None (declined)."""

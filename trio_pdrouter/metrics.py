@@ -332,8 +332,8 @@ class RouterMetrics:
             self.load_balance_events.labels(stage).inc()
 
     def tokenized(self, outcome: str) -> None:
-        """``kv_aware`` got a prompt's token ids (``cached``, ``local``, ``engine``) or did not
-        (``failed``)."""
+        """``kv_aware`` got a prompt's token ids (``cached``, ``local``, ``stitched``,
+        ``engine``) or did not (``failed``)."""
         self.kv_tokenize.labels(outcome).inc()
 
     def stranded_kv(self, decode: Endpoint) -> None:

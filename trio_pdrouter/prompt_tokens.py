@@ -91,7 +91,7 @@ _COUNT = re.compile(rb'\s*\{\s*"count"\s*:\s*([0-9]+)\s*[,}]')
 #: The shortest start of a prompt tokenized on its own (module doc); shorter, the whole prompt.
 MIN_CUT_CHARS = 512
 #: Cuts looked up for a cached start, the prompt's own and those before it
-#: (:meth:`PromptTokens._cached_start`).
+#: (:meth:`PromptTokens._starts`).
 START_LOOKBACK = 4
 #: Ids dropped from the end of a start's: a word the cut splits is tokenized differently in
 #: the whole prompt, and a tokenizer may end a text with special ids.
@@ -163,8 +163,8 @@ class PromptTokens:
             return key
         prompt = request.get("prompt")
         if isinstance(prompt, str) and (cut := self._cut(prompt)):
-            ids = await self._stitched(prompt, cut) if self._local is not None else None
-            if ids is not None:
+            if self._local is not None and self._local.stitches:
+                ids = await self._stitched(self._local, prompt, cut)
                 return attrs.evolve(key, tokens=ids, prompt_tokens=len(ids))
             start = await self._tokens({"prompt": prompt[:cut]})
             if start is None or len(start) <= CUT_MARGIN_TOKENS:
@@ -192,34 +192,37 @@ class PromptTokens:
         cut = shared - shared % self._cut_chars
         return cut if cut >= MIN_CUT_CHARS else 0
 
-    async def _stitched(self, prompt: str, cut: int) -> tuple[int, ...] | None:
-        """A text prompt's ids from the local tokenizer: its start's (up to ``cut``), cached,
-        and the rest's (:meth:`~.local_tokenizer.LocalTokenizer.stitched`); None if that
-        tokenizer cannot stitch."""
-        assert self._local is not None
-        start = self._cached_start(prompt, cut)
-        if start is None:
-            start = await self._local.start(prompt[:cut], CUT_MARGIN_TOKENS)
-            if start is None:
-                return None
-            self._keep(_start_digest(prompt[:cut]), start)
-        self._on_outcome("stitched" if start.ids else "local")  # no boundary: encoded whole
-        return await self._local.stitched(start, prompt)
-
-    def _cached_start(self, prompt: str, cut: int) -> Start | None:
-        """The cached start of ``prompt`` cut at ``cut``, else at one of the cuts before it
-        (:data:`START_LOOKBACK` in all): where a prompt happens to share a few more
-        characters with an earlier one (a question's first word), its cut falls one step later
-        than its group's, and the group's start serves it as well (any start of the prompt
-        stitches to the same ids)."""
-        step = self._cut_chars
-        for at in range(cut, max(cut - START_LOOKBACK * step, MIN_CUT_CHARS - 1), -step):
-            digest = _start_digest(prompt[:at])
+    async def _stitched(self, local: LocalTokenizer, prompt: str, cut: int) -> tuple[int, ...]:
+        """A text prompt's ids from the local tokenizer: its start's, cached (cut at ``cut``,
+        or at one of the cuts before it: :meth:`_starts`), and the rest's
+        (:meth:`~.local_tokenizer.LocalTokenizer.stitched`)."""
+        starts = self._starts(prompt, cut)
+        for digest in starts:
             start = self._cache.get(digest)
             if isinstance(start, Start):
                 self._cache.move_to_end(digest)
-                return start
-        return None
+                break
+        else:
+            start = await local.start(prompt[:cut], CUT_MARGIN_TOKENS)
+            self._keep(starts[0], start)
+        self._on_outcome("stitched" if start.ids else "local")  # no boundary: encoded whole
+        return await local.stitched(start, prompt)
+
+    def _starts(self, prompt: str, cut: int) -> list[bytes]:
+        """The cache keys of ``prompt``'s starts at ``cut`` and the cuts before it
+        (:data:`START_LOOKBACK` in all, ``cut`` first): where a prompt happens to share a few
+        more characters with an earlier one (a question's first word), its cut falls a step
+        later than its group's, and the group's start serves it as well (any start of the
+        prompt stitches to the same ids). Each character is hashed once."""
+        step = self._cut_chars
+        cuts = range(cut, max(cut - START_LOOKBACK * step, MIN_CUT_CHARS - 1), -step)
+        digest = hashlib.blake2b(digest_size=16, person=b"start")
+        keys, done = [], 0
+        for at in reversed(cuts):
+            digest.update(prompt[done:at].encode())
+            keys.append(digest.copy().digest())
+            done = at
+        return keys[::-1]
 
     async def _tokens(self, request: Mapping[str, object]) -> tuple[int, ...] | None:
         """The ids of one ``/tokenize`` body: cached, else encoded here or asked."""
@@ -296,10 +299,6 @@ class PromptTokens:
         if answer is None:
             self.failures += 1
         return answer
-
-
-def _start_digest(text: str) -> bytes:
-    return hashlib.blake2b(text.encode(), digest_size=16, person=b"start").digest()
 
 
 def _ids_in(value: tuple[int, ...] | Start) -> int:
