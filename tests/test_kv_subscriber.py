@@ -235,6 +235,42 @@ async def test_a_replay_that_keeps_coming_is_not_cut_by_its_timeout(
         nursery.cancel_scope.cancel()
 
 
+async def serve_cut(router: zmq.Socket[bytes], journal: KvJournal, most: int) -> None:
+    """Answer every replay request with at most ``most`` batches, the end marker only when
+    the rest fits (a ROUTER dropping what the DEALER's pipe cannot take)."""
+    fd = router.getsockopt(zmq.FD)
+    assert isinstance(fd, int)
+    while True:
+        try:
+            identity, _empty, start = router.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            await trio.lowlevel.wait_readable(fd)
+            continue
+        replies = journal.replay_frames(int.from_bytes(start, "big", signed=True))
+        for reply in replies if len(replies) <= most + 1 else replies[:most]:
+            router.send_multipart([identity, *reply])
+
+
+async def test_a_replay_that_stops_before_its_end_is_taken_and_the_rest_asked_for(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """Each answer brings 2 of the 6 batches and no end marker: the router applies what came
+    and asks from there, until it has them all (it used to fail every such replay, and the
+    next probe asked for the whole history again)."""
+    engine = Engine(ctx, 0, buffer=100)
+    for prompt in PROMPTS:
+        engine.prefill(prompt)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_cut, engine.router, engine.journal, 2)
+        events = await start(nursery, [engine.source("http://e", None)], ctx)
+        feed = events.feed("http://e", None)
+        assert feed is not None
+        await until(lambda: feed.last_seq == 5)
+        assert feed.known and same_blocks(events, "http://e", engine)
+        assert credited(events, "http://e", PROMPTS[5]) == 4
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_replay_over_its_byte_budget_keeps_its_newest_batches_and_no_false_credit(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:

@@ -13,17 +13,22 @@ feeds it. pyzmq runs under trio without threads, with these rules:
   :data:`BIND` binds what follows it).
 * Replay: the DEALER sends ``[b"", start_seq]`` and reads ``[b"", (topic,) seq, payload]``
   frames until the end marker (seq -1); ``replay_timeout_s`` without a frame (before the first
-  or between two: a long replay that keeps coming is not cut) fails the replay, and the DEALER
-  is replaced so a late answer cannot be taken for the next one. At most ``max_replay_bytes``
-  of payloads are kept, the oldest dropped first: such a replay starts later than asked, which
-  the feed takes as history no longer buffered (an index that may miss blocks, never one that
-  shows a block dropped). Once the end marker is in, the frames are decoded and applied
-  :data:`_DECODE_SLICE` at a time (a replay's decoded batches are several times its payload
-  bytes: they never all live at once), and the feed's live batches wait in the SUB socket
-  until the replay is applied: the feed takes no live batch in the middle of a replay.
-  Besides the replays a gap asks for, each feed probes every ``probe_interval_s`` (a lost last
-  batch, or a feed UNKNOWN whose history from seq 0 may still be buffered; once a replay shows
-  it gone, only the batches after the last one are asked for).
+  or between two: a long replay that keeps coming is not cut) ends it, and the DEALER is
+  replaced so a late answer cannot be taken for the next one. Without any frame the replay
+  failed; with some, they are taken as a replay that ends there, and the feed asks for the rest
+  as for any gap: vLLM's ROUTER sends a whole buffer at once and drops what the pipe to the
+  DEALER cannot take, the end marker with it, which a busy router or host makes likely (seen in
+  ``python -m benchmarks --only kv_aware``: routers started in front of engines whose buffers
+  were full stayed unknown for whole runs, each full replay losing its tail). At most
+  ``max_replay_bytes`` of payloads are kept, the oldest dropped first: such a replay starts
+  later than asked, which the feed takes as history no longer buffered (an index that may miss
+  blocks, never one that shows a block dropped). Once the replay has ended, the frames are
+  decoded and applied :data:`_DECODE_SLICE` at a time (a replay's decoded batches are several
+  times its payload bytes: they never all live at once), and the feed's live batches wait in the
+  SUB socket until the replay is applied: the feed takes no live batch in the middle of a
+  replay. Besides the replays a gap asks for, each feed probes every ``probe_interval_s`` (a
+  lost last batch, or a feed UNKNOWN whose history from seq 0 may still be buffered; once a
+  replay shows it gone, only the batches after the last one are asked for).
 * Whatever a source does (malformed frames, a dead publisher, a refused replay), the router
   keeps serving: the feed goes UNKNOWN and the policy falls back to its estimate.
 """
@@ -268,14 +273,24 @@ class KvEvents:
                         feed.probe()
                     continue
                 ask = feed.asks
-                frames = await self._replay_frames(source, dealer, start)
-                if frames is None:
+                frames, whole = await self._replay_frames(source, dealer, start)
+                if not whole:  # a late rest of this answer must not pass for the next one's
                     close(dealer)
                     dealer = self._dealer(endpoint)
+                if not frames and not whole:
                     log.warning("kv events: replay from %s failed (seq %d)", source.key, start)
                     feed.replay_failed(start, ask=ask)
-                else:
-                    await self._apply_replay(source, feed, start, frames, ask=ask)
+                    self._note(source)
+                    continue
+                if not whole:
+                    log.info(
+                        "kv events: replay from %s (seq %d) stopped after %d batches without its"
+                        " end; taking those and asking for the rest",
+                        source.key,
+                        start,
+                        len(frames),
+                    )
+                await self._apply_replay(source, feed, start, frames, ask=ask)
                 self._note(source)
         finally:
             close(dealer)
@@ -325,9 +340,10 @@ class KvEvents:
 
     async def _replay_frames(
         self, source: EventSource, dealer: zmq.Socket[bytes], start: int
-    ) -> deque[tuple[int, bytes]] | None:
-        """The replay's (seq, payload) frames up to its end marker, the newest
-        ``max_replay_bytes`` of them; None without an answer in time (module doc)."""
+    ) -> tuple[deque[tuple[int, bytes]], bool]:
+        """The replay's (seq, payload) frames, the newest ``max_replay_bytes`` of them, and
+        whether its end marker came; those that came before the answer went silent otherwise
+        (none: no answer in time; module doc)."""
         fd = socket_fd(dealer)
         frames: deque[tuple[int, bytes]] = deque()
         kept = 0  # payload bytes
@@ -336,7 +352,7 @@ class KvEvents:
             try:
                 dealer.send_multipart([b"", start.to_bytes(8, "big", signed=True)], zmq.NOBLOCK)
             except zmq.Again:
-                return None
+                return frames, False
             received = 0
             while True:
                 try:
@@ -357,13 +373,13 @@ class KvEvents:
                     continue
                 seq = int.from_bytes(reply[0], "big", signed=True)
                 if seq == _END:
-                    return frames
+                    return frames, True
                 frames.append((seq, reply[1]))
                 kept += len(reply[1])
                 # The newest frame stays: a replay cut to nothing would read "none published".
                 while kept > self._max_replay_bytes and len(frames) > 1:
                     kept -= len(frames.popleft()[1])
-        return None
+        return frames, False
 
     def snapshot(self) -> list[dict[str, object]]:
         """``GET /debug/kv-index``: one entry per engine and DP rank."""
