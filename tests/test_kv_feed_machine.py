@@ -37,9 +37,9 @@ class RecordingIndex(BlockIndex):
 
     last_events: object = None
 
-    def apply(self, events: Iterable[Event]) -> None:
+    def apply(self, events: Iterable[Event], *, live: bool = True) -> None:
         self.last_events = events
-        super().apply(events)
+        super().apply(events, live=live)
 
 
 class FeedMachine(RuleBasedStateMachine):

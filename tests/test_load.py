@@ -123,8 +123,29 @@ def test_removed_endpoint_is_forgotten_at_its_last_release() -> None:
     assert "http://d:1@1" not in ledger.snapshot()["decode"]
 
 
+def test_a_slot_s_callback_runs_once_right_after_its_release_on_every_path() -> None:
+    ledger = LoadLedger([*P, *D])
+    seen: list[tuple[str, int]] = []
+
+    def note(name: str, ep: Endpoint) -> None:
+        seen.append((name, ledger.load(ep)))  # runs after the slot's release
+
+    lease = ledger.lease(P[0], D[0], on_release={P[0]: lambda: note("p", P[0])})
+    lease.release(P[0])
+    lease.release(P[0])
+    lease.release_all()
+    assert seen == [("p", 0)]
+    with (
+        pytest.raises(RuntimeError),
+        ledger.lease(P[1], on_release={P[1]: lambda: note("x", P[1])}),
+    ):
+        raise RuntimeError("boom")
+    assert seen == [("p", 0), ("x", 0)]
+
+
 class LedgerMachine(RuleBasedStateMachine):
-    """Model: each open lease is the set of endpoints it still holds."""
+    """Model: each open lease is the set of endpoints it still holds; a prefill slot's release
+    callback has run once if it was released, never while held."""
 
     leases = Bundle("leases")
 
@@ -134,10 +155,20 @@ class LedgerMachine(RuleBasedStateMachine):
         self.model: dict[int, list[Endpoint]] = {}
         self.pending: dict[int, list[Endpoint]] = {}
         self.weights: dict[int, dict[Endpoint, int]] = {}
+        #: Per lease with a prefill slot: that endpoint and its callback's runs.
+        self.callbacks: dict[int, tuple[Endpoint, list[int]]] = {}
 
     @rule(target=leases, p=st.sampled_from(P), d=st.sampled_from(D), weight=st.integers(0, 9999))
     def open_pd(self, p: Endpoint, d: Endpoint, weight: int) -> Lease:
-        lease = self.ledger.lease(p, d, pending=(d,), tokens={p: weight, d: weight + 7})
+        runs: list[int] = []
+        lease = self.ledger.lease(
+            p,
+            d,
+            pending=(d,),
+            tokens={p: weight, d: weight + 7},
+            on_release={p: lambda: runs.append(1)},
+        )
+        self.callbacks[id(lease)] = (p, runs)
         self.model[id(lease)] = [p, d]
         self.pending[id(lease)] = [d]
         self.weights[id(lease)] = {p: weight, d: weight + 7}
@@ -194,6 +225,8 @@ class LedgerMachine(RuleBasedStateMachine):
             )
             assert self.ledger.token_load(ep) == tokens >= 0
         assert self.ledger.token_total() == sum(self.ledger.token_load(ep) for ep in [*P, *D])
+        for lease, (p, runs) in self.callbacks.items():
+            assert len(runs) == (0 if p in self.model[lease] else 1)
 
     def teardown(self) -> None:
         for held in self.model.values():

@@ -1,5 +1,5 @@
-"""``kv_aware``: exact credit from known engines, the estimate for unknown ones, load as the
-balance test and the tie-break."""
+"""``kv_aware``: credit from known engines' forecasts (the index and the prompts in flight),
+the estimate for unknown ones, load as the balance test and the tie-break."""
 
 from __future__ import annotations
 
@@ -7,15 +7,19 @@ import random
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from trio_pdrouter.endpoints import Endpoint, Role
+from trio_pdrouter.kv_forecast import DOUBT_BATCHES
 from trio_pdrouter.kv_index import BlockIndex
 from trio_pdrouter.kv_wire import BlockRemoved, BlockStored
 from trio_pdrouter.load import LoadLedger
 from trio_pdrouter.machine_table import MachineTable
 from trio_pdrouter.policies import PolicySettings, RoutingKey
 from trio_pdrouter.policies.kv_aware import KvAware
+from trio_pdrouter.policies.round_robin import RoundRobin
 from trio_pdrouter.prefix_ring import PrefixFeed
-from trio_pdrouter.routing import Routing
+from trio_pdrouter.routing import NoHealthyEndpoint, Routing
 
 BS = 4
 EPS = [Endpoint(f"http://10.0.0.{i}:8000", Role.PREFILL) for i in range(3)]
@@ -114,30 +118,57 @@ def test_between_balanced_loads_the_larger_hit_wins_and_load_decides_between_equ
     view = View()
     view.store(EPS[1], 6)
     view.store(EPS[2], 5)
-    policy = make(view, load_metric="tokens")
     key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
     # EPS[1] holds one block more (1/8 of the prompt): it wins though a third busier.
+    policy = make(view, load_metric="tokens")
     assert policy.choose(EPS, {EPS[0]: 100, EPS[1]: 150, EPS[2]: 100}, key) == EPS[1]
     view.store(EPS[2], 6)
-    # Equal hits: the less loaded, by any margin.
-    assert policy.choose(EPS, {EPS[0]: 100, EPS[1]: 101, EPS[2]: 100}, key) == EPS[2]
-    assert policy.choose(EPS, {EPS[0]: 100, EPS[1]: 100, EPS[2]: 101}, key) == EPS[1]
+    # Equal hits: the less loaded, by any margin (fresh policies: the choice above sent the
+    # whole prompt to EPS[1], whose forecast now holds all of it).
+    equal = {EPS[0]: 100, EPS[1]: 101, EPS[2]: 100}
+    assert make(view, load_metric="tokens").choose(EPS, equal, key) == EPS[2]
+    equal = {EPS[0]: 100, EPS[1]: 100, EPS[2]: 101}
+    assert make(view, load_metric="tokens").choose(EPS, equal, key) == EPS[1]
 
 
-def test_a_miss_everywhere_goes_home_where_the_prefix_was_sent_before() -> None:
+def test_requests_following_a_miss_find_its_prompt_where_it_was_sent() -> None:
     view = View()
     policy = make(view, load_metric="tokens")
     key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
     loads = {EPS[0]: 100, EPS[1]: 130, EPS[2]: 100}
     first = policy.choose(EPS, {EPS[0]: 100, EPS[1]: 90, EPS[2]: 100}, key)
     assert first == EPS[1] and policy.last.reason == "miss"  # nothing held: the least loaded
-    # Its blocks were evicted (the index holds nothing): it goes back to EPS[1], busier or not.
+    # Not stored yet (the index holds nothing), but computed before anything sent after it:
+    # EPS[1] will hold it, busier or not.
     assert [policy.choose(EPS, loads, key) for _ in range(5)] == [EPS[1]] * 5
-    assert policy.last.reason == "home"
-    # A prefix sent nowhere before has no home: the least loaded.
+    assert policy.last.reason == "kv_hit" and policy.last.blocks == 8
+    # A prefix sent nowhere before: the least loaded.
     other = RoutingKey(text="another routing text " * 4, prompt_tokens=32, tokens=TOKENS[::-1])
     assert policy.choose(EPS, loads, other) in (EPS[0], EPS[2])
     assert policy.last.reason == "miss"
+
+
+def test_with_part_of_the_traffic_it_judges_by_the_index_and_sends_a_miss_home() -> None:
+    """Where other routers send an engine work too (replicas, ``--workers``), this router's
+    forecast misses their prompts: the engines are judged by what they hold now, which every
+    router sees alike, and a prompt held nowhere goes where this router sent its prefix last."""
+    view = View()
+    policy = make(view, load_metric="tokens")
+    policy.uncached_tokens(EPS, KEY)  # the forecasts start
+    others = tuple(range(900, 932))
+    for ep in EPS:  # every engine stores blocks this router never sent
+        view.indexes[ep.url].apply([BlockStored((901, 902), None, others[:8], BS, "GPU", True)])
+    key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
+    loads = {EPS[0]: 100, EPS[1]: 130, EPS[2]: 100}
+    first = policy.choose(EPS, {EPS[0]: 100, EPS[1]: 90, EPS[2]: 100}, key)
+    assert first == EPS[1] and policy.last.reason == "miss"  # nothing held: the least loaded
+    # Held nowhere yet: it goes back to EPS[1], busier or not, charged as the estimate's hit.
+    assert policy.uncached_tokens(EPS, key) == {EPS[0]: 32, EPS[1]: 0, EPS[2]: 32}
+    assert [policy.choose(EPS, loads, key) for _ in range(5)] == [EPS[1]] * 5
+    assert policy.last.reason == "home"
+    # Blocks the index shows count as they are, whatever was sent there since.
+    view.store(EPS[2], 8)
+    assert policy.choose(EPS, loads, key) == EPS[2] and policy.last.reason == "kv_hit"
 
 
 def prefill_routing(view: View) -> tuple[Routing, LoadLedger]:
@@ -151,6 +182,51 @@ def prefill_routing(view: View) -> tuple[Routing, LoadLedger]:
     )
     routing.set_endpoints(Role.PREFILL, EPS)
     return routing, ledger
+
+
+def batches_go_by(view: View) -> None:
+    """Enough batches from every engine, changing nothing, for a prompt's store to have been
+    read had there been one."""
+    for _ in range(DOUBT_BATCHES):
+        for index in view.indexes.values():
+            index.apply([BlockRemoved((999_999,), "GPU")])
+
+
+def test_a_prompt_sent_is_forecast_until_its_lease_ends_and_the_engine_never_stored_it() -> None:
+    view = View()
+    routing, _ledger = prefill_routing(view)
+    key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
+    lease, chosen = routing.lease_one(Role.PREFILL, key)
+    expected = {e: 0 if e == chosen else 32 for e in EPS}
+    batches_go_by(view)
+    assert routing.weights(Role.PREFILL, EPS, key) == expected  # in flight: it will be there
+    lease.release_all()  # refused, say: the engine's events never store it
+    batches_go_by(view)
+    assert routing.weights(Role.PREFILL, EPS, key) == dict.fromkeys(EPS, 32)
+    # A choice with no lease (a decode to reclaim blocks on) forecasts nothing past the batch.
+    routing.choose(Role.PREFILL, key)
+    batches_go_by(view)
+    assert routing.weights(Role.PREFILL, EPS, key) == dict.fromkeys(EPS, 32)
+
+
+def test_a_prefill_chosen_for_a_request_no_decode_can_take_is_not_forecast() -> None:
+    view = View()
+    ledger = LoadLedger(EPS)
+    prefill = make(view, load_metric="tokens")
+    routing = Routing(
+        {Role.PREFILL: prefill, Role.DECODE: RoundRobin(random.Random(0))},
+        ledger,
+        (),
+        None,
+        by_tokens=(Role.PREFILL,),
+    )
+    routing.set_endpoints(Role.PREFILL, EPS)
+    key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
+    with pytest.raises(NoHealthyEndpoint):
+        routing.lease_pd(key)  # no decode endpoint at all
+    batches_go_by(view)
+    assert routing.weights(Role.PREFILL, EPS, key) == dict.fromkeys(EPS, 32)
+    assert ledger.token_total() == 0
 
 
 def test_prefill_is_charged_the_tokens_past_the_blocks_the_index_shows() -> None:
@@ -170,21 +246,21 @@ def test_hits_in_flight_do_not_push_the_next_request_off_the_engine_holding_its_
     view.store(EPS[1], 6)
     routing, ledger = prefill_routing(view)
     key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
-    # Each hit queues 8 tokens of work there, not the whole prompt's 32, so the third request
-    # still finds EPS[1] the quickest (8 + 8 + 8 against 32 elsewhere).
+    # The first computes the 2 blocks EPS[1] lacks (8 tokens); those after it find the whole
+    # prompt there, so EPS[1] stays the quickest (8 + 0 + 0 against 32 elsewhere).
     chosen = [routing.lease_one(Role.PREFILL, key)[1] for _ in range(3)]
-    assert chosen == [EPS[1]] * 3 and ledger.token_load(EPS[1]) == 24
+    assert chosen == [EPS[1]] * 3 and ledger.token_load(EPS[1]) == 8
 
 
-def test_requests_following_a_miss_home_are_charged_what_the_estimate_says_it_lacks() -> None:
+def test_requests_following_a_miss_are_charged_as_hits_where_it_went() -> None:
     routing, ledger = prefill_routing(View())  # the index holds nothing anywhere
     key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
     first = routing.lease_one(Role.PREFILL, key)[1]
-    assert ledger.token_load(first) == 32  # no home yet: the whole prompt
-    # Until its blocks are stored, a request with the same prompt finds no block anywhere; it
-    # would queue behind the first at home and find them there, so home is charged as a hit.
+    assert ledger.token_load(first) == 32  # held nowhere: the whole prompt
+    # Until its blocks are stored, the index shows them nowhere; a request with the same prompt
+    # queues behind the first and finds them, so the forecast charges it there as a hit.
     assert routing.weights(Role.PREFILL, EPS, key) == {e: 0 if e == first else 32 for e in EPS}
-    # 32 + 0 at home against 0 + 32 elsewhere: balanced, so it follows the first.
+    # 32 + 0 there against 0 + 32 elsewhere: balanced, so it follows the first.
     assert routing.lease_one(Role.PREFILL, key)[1] == first
     assert ledger.token_load(first) == 32
 
@@ -260,6 +336,7 @@ def test_a_hit_at_or_below_the_cache_threshold_counts_as_none() -> None:
     assert at_threshold.choose(EPS, loads, KEY) == EPS[2]
     assert at_threshold.last.reason == "miss"
     # Chosen as the least loaded, not for its two blocks: a miss too.
+    at_threshold = make(view, cache_threshold=0.25)
     assert at_threshold.choose(EPS, {**loads, EPS[1]: 0, EPS[2]: 3}, KEY) == EPS[1]
     assert at_threshold.last.reason == "miss"
     below = make(view, cache_threshold=0.2)
@@ -272,19 +349,21 @@ def test_temperature_spreads_choices_by_score() -> None:
     view.store(EPS[1], 8)
     greedy = make(view)
     assert {greedy.choose(EPS, dict.fromkeys(EPS, 0), KEY) for _ in range(30)} == {EPS[1]}
-    soft = make(view, seed=1, router_temperature=0.5)
-    counts = Counter(soft.choose(EPS, dict.fromkeys(EPS, 0), KEY) for _ in range(300))
+    # Fresh policies: each choice would send the prompt where it goes.
+    softs = [make(view, seed=i, router_temperature=0.5) for i in range(300)]
+    counts = Counter(soft.choose(EPS, dict.fromkeys(EPS, 0), KEY) for soft in softs)
     assert counts[EPS[1]] > counts[EPS[0]] > 0 and counts[EPS[2]] > 0
 
 
-def test_with_workers_a_miss_goes_home_where_another_worker_sent_the_prefix(
+def test_with_workers_an_unknown_engine_is_judged_by_what_every_worker_sent_there(
     tmp_path: Path,
 ) -> None:
-    """``--workers N``: the estimate behind the home rule learns the other workers' choices
-    (without the machine's prefix feed each worker's home would be its own guess)."""
+    """``--workers N``: the estimate an unknown engine is judged by learns the other workers'
+    choices (without the machine's prefix feed each worker would see only its own)."""
     table = MachineTable.create(2, str(tmp_path / "lock"), slots=8)
     try:
-        view = View()  # known engines holding nothing: every request is a miss everywhere
+        view = View()
+        view.known = dict.fromkeys(view.known, False)  # no engine's events are known exact
         workers = []
         for row in range(2):
             policy = KvAware(
@@ -301,7 +380,7 @@ def test_with_workers_a_miss_goes_home_where_another_worker_sent_the_prefix(
         assert first == EPS[1] and workers[0].last.reason == "miss"
         even = dict.fromkeys(EPS, 0)
         assert [workers[1].choose(EPS, even, KEY) for _ in range(5)] == [EPS[1]] * 5
-        assert workers[1].last.reason == "home"
+        assert workers[1].last.reason == "estimate_hit"
     finally:
         table.destroy()
 

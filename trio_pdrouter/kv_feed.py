@@ -286,10 +286,10 @@ class Feed:
         if (last is None and batch.seq != 0) or (last is not None and batch.seq != last + 1):
             self.gaps += 1
             self._lose()
-        self._apply(batch)
+        self._apply(batch, live=False)
 
-    def _apply(self, batch: Batch) -> None:
-        self.index.apply(batch.events)
+    def _apply(self, batch: Batch, *, live: bool = True) -> None:
+        self.index.apply(batch.events, live=live)
         self.last_seq = batch.seq
         applied = self._applied
         applied[batch.seq] = batch.ts

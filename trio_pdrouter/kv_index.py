@@ -19,18 +19,37 @@ The rules:
   copies with it (:attr:`BlockIndex.evicted`). Dropping an entry only loses credit.
 * :meth:`BlockIndex.match` credits the longest run of leading keys held in some tier, each
   block weighted by the best tier holding it; it never credits a block the events removed.
+* Watchers (:meth:`BlockIndex.watch`) are told, after each batch, which own keys came to be held
+  in the GPU tier and which stopped being held there, with the tier's entry count and whether
+  the batch is live or replayed, and told when the index is cleared
+  (:class:`~.kv_forecast.Forecast` follows the engine this way). Entries dropped for the budget
+  are not engine evictions and are not told.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
-from .kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from .kv_wire import GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event
 
-__all__ = ["ROOT_KEY", "BlockIndex", "block_keys"]
+__all__ = ["ROOT_KEY", "BlockIndex", "IndexWatcher", "block_keys"]
 
 #: The own key a chain starts from (the parent of a prompt's first block).
 ROOT_KEY = 0x6B76_6576_656E_7473
+
+
+class IndexWatcher(Protocol):
+    """Told how an index's GPU tier changed (see the module doc)."""
+
+    def applied(
+        self, stored: Sequence[int], removed: Sequence[int], held: int, *, live: bool
+    ) -> None:
+        """After a batch: own keys now held that were not, keys no longer held, the GPU tier's
+        entry count, and whether the batch is live (else replayed: history)."""
+
+    def cleared(self) -> None:
+        """The index was cleared."""
 
 
 def block_keys(tokens: Sequence[int], block_size: int, parent: int = ROOT_KEY) -> list[int]:
@@ -103,31 +122,73 @@ class BlockIndex:
         self.skipped = 0
         #: Entries dropped to keep within the budget.
         self.evicted = 0
+        self._watchers: list[IndexWatcher] = []
+        #: Own keys the current batch made held, and stopped holding, in the GPU tier (kept
+        #: only while someone watches).
+        self._stored: list[int] = []
+        self._removed: list[int] = []
+
+    def watch(self, watcher: IndexWatcher) -> None:
+        """Tell ``watcher`` of every change from now on (see the module doc)."""
+        self._watchers.append(watcher)
+
+    def unwatch(self, watcher: IndexWatcher) -> None:
+        if watcher in self._watchers:
+            self._watchers.remove(watcher)
+
+    def holds(self, key: int, medium: str = GPU) -> bool:
+        """Whether own ``key`` is held in ``medium``."""
+        tier = self._tiers.get(medium)
+        return tier is not None and key in tier.held
 
     def __len__(self) -> int:
         """Entries held (engine hashes, any medium; copies count once)."""
         return self._size
 
-    def apply(self, events: Iterable[Event]) -> None:
-        """Apply one batch's events in order."""
+    def apply(self, events: Iterable[Event], *, live: bool = True) -> None:
+        """Apply one batch's events in order; ``live`` (the watchers are told) when the batch
+        is news, not a replay of history."""
+        watched = bool(self._watchers)
         for event in events:
             if isinstance(event, BlockStored):
-                self._store(event)
+                self._store(event, watched=watched)
             elif isinstance(event, BlockRemoved):
                 tier = self._tiers.get(event.medium)
                 if tier is not None:
+                    gone = self._removed if watched and event.medium == GPU else None
                     for engine_hash in event.block_hashes:
+                        key = tier.own.get(engine_hash)
                         if tier.remove(engine_hash):
                             self._size -= 1
+                            if gone is not None and key is not None and key not in tier.held:
+                                gone.append(key)
             elif isinstance(event, AllBlocksCleared):
                 self.clear()
+        if watched:
+            self._tell(live)
+
+    def _tell(self, live: bool) -> None:
+        """Tell the watchers the batch's net change in the GPU tier."""
+        tier = self._tiers.get(GPU)
+        held = tier.held if tier is not None else {}
+        stored = [k for k in dict.fromkeys(self._stored) if k in held]
+        removed = [k for k in dict.fromkeys(self._removed) if k not in held]
+        self._stored.clear()
+        self._removed.clear()
+        size = len(tier.own) if tier is not None else 0
+        for watcher in self._watchers:
+            watcher.applied(stored, removed, size, live=live)
 
     def clear(self) -> None:
         """Forget everything (the engine cleared its cache, restarted, or events were lost)."""
         self._tiers.clear()
         self._size = 0
+        self._stored.clear()
+        self._removed.clear()
+        for watcher in self._watchers:
+            watcher.cleared()
 
-    def _store(self, event: BlockStored) -> None:
+    def _store(self, event: BlockStored, *, watched: bool) -> None:
         if not event.indexable or event.block_size != self.block_size:
             self.skipped += 1
             return
@@ -143,7 +204,10 @@ class BlockIndex:
                 return
             parent = found
         keys = block_keys(event.token_ids, self.block_size, parent)
+        new = self._stored if watched and event.medium == GPU else None
         for engine_hash, key in zip(event.block_hashes, keys, strict=True):
+            if new is not None and key not in tier.held:
+                new.append(key)
             if tier.store(engine_hash, key):
                 self._size += 1
         while self._size > self.budget:
@@ -166,10 +230,14 @@ class BlockIndex:
         self._size -= 1
         self.evicted += 1
 
-    def match(self, keys: Sequence[int]) -> tuple[int, float]:
-        """Leading ``keys`` held and their weighted credit (each block: its best tier)."""
-        default = self._weights.get("*", 0.0)
-        tiers = [(self._weights.get(m, default), t) for m, t in self._tiers.items()]
+    def weight(self, medium: str) -> float:
+        """The credit of one block held in ``medium``."""
+        return self._weights.get(medium, self._weights.get("*", 0.0))
+
+    def match(self, keys: Sequence[int], *, skip: str | None = None) -> tuple[int, float]:
+        """Leading ``keys`` held and their weighted credit (each block: its best tier; with
+        ``skip``, its best tier but that medium)."""
+        tiers = [(self.weight(m), t) for m, t in self._tiers.items() if m != skip]
         tiers = [(w, t) for w, t in tiers if w > 0]
         tiers.sort(key=lambda wt: -wt[0])
         blocks = 0

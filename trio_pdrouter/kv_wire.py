@@ -41,6 +41,7 @@ import attrs
 import msgspec
 
 __all__ = [
+    "GPU",
     "AllBlocksCleared",
     "Batch",
     "BlockRemoved",
@@ -53,6 +54,8 @@ __all__ = [
 ]
 
 _MASK = (1 << 64) - 1
+#: The medium of a block on the engine's GPU (an event without a medium is one).
+GPU = "GPU"
 _FULL_ATTENTION = ("full_attention", "mla_attention")
 
 _STORED_FIELDS = (
@@ -202,7 +205,7 @@ def _hashes(value: object) -> tuple[int, ...]:
 
 def _medium(value: object) -> str:
     if value is None:
-        return "GPU"
+        return GPU
     if not isinstance(value, str):
         raise MalformedFrame("medium must be a string")
     return value.upper()

@@ -23,6 +23,9 @@ Rules of this module (everything that changes a counter lives here):
   see :mod:`.weights`), added when the slot is charged and subtracted when it is RELEASED, in the
   same call as the count. So a weight moves exactly when its count does, and both return to 0
   together; PENDING changes neither.
+* A slot may carry a callback (``on_release``) that runs right after its RELEASED change, so
+  it too runs exactly once on every path: ``kv_aware`` learns when a prompt it forecast has
+  left the prefill engine (:mod:`.kv_forecast`). It must not raise.
 * Every change goes through ``_change`` (and ``_sent``), which ends in the ``_record`` hook:
   a subclass that mirrors the ledger elsewhere (the machine ledger's shared row) overrides only
   that hook.
@@ -155,11 +158,13 @@ class LoadLedger:
         *endpoints: Endpoint,
         pending: Iterable[Endpoint] = (),
         tokens: Mapping[Endpoint, int] | None = None,
+        on_release: Mapping[Endpoint, Callable[[], None]] | None = None,
     ) -> Lease:
         """Charge each endpoint now and return the lease that will release them.
 
         Endpoints also named in ``pending`` start PENDING: charged, their request not yet sent.
         ``tokens`` gives an endpoint's token weight (0 when absent); a negative one is refused.
+        ``on_release`` gives an endpoint's callback, run once when its slot is released.
         """
         pending = [ep for ep in pending if ep in endpoints]
         weights = [0 if tokens is None else tokens.get(ep, 0) for ep in endpoints]
@@ -167,7 +172,7 @@ class LoadLedger:
             raise ValueError(f"token weights must be 0 or more: {weights}")
         for ep, weight in zip(endpoints, weights, strict=True):
             self._change(ep, +1, weight, pending=ep in pending)
-        return Lease(self, endpoints, pending, weights)
+        return Lease(self, endpoints, pending, weights, on_release)
 
     def _change(self, endpoint: Endpoint, delta: int, tokens: int, *, pending: bool) -> None:
         """One slot charged (``delta`` +1, ``tokens`` its weight) or released (-1, -weight)."""
@@ -221,7 +226,7 @@ class Lease:
     still held; release individual endpoints earlier with :meth:`release` as their legs end.
     """
 
-    __slots__ = ("_held", "_ledger", "_pending", "_weights")
+    __slots__ = ("_held", "_ledger", "_on_release", "_pending", "_weights")
 
     def __init__(
         self,
@@ -229,12 +234,14 @@ class Lease:
         endpoints: Iterable[Endpoint],
         pending: Iterable[Endpoint],
         weights: Iterable[int],
+        on_release: Mapping[Endpoint, Callable[[], None]] | None = None,
     ) -> None:
         self._ledger = ledger
         self._held: list[Endpoint] = list(endpoints)
         self._pending: list[Endpoint] = list(pending)
         #: The token weight of each held slot, in ``_held``'s order.
         self._weights: list[int] = list(weights)
+        self._on_release = dict(on_release) if on_release else None
 
     def sent(self, endpoint: Endpoint) -> None:
         """PENDING -> CHARGED: the request to ``endpoint`` is going out now."""
@@ -254,6 +261,10 @@ class Lease:
         if pending:
             self._pending.remove(endpoint)
         self._ledger._change(endpoint, -1, -weight, pending=pending)
+        if self._on_release is not None:
+            callback = self._on_release.pop(endpoint, None)
+            if callback is not None:
+                callback()
 
     def release_all(self) -> None:
         while self._held:

@@ -56,6 +56,15 @@ class Teaches(Protocol):
     lesson: Lesson | None
 
 
+@runtime_checkable
+class Forecasts(Protocol):
+    """A policy that forecasts what its choice makes the endpoint hold (``kv_aware``):
+    ``on_release`` is its last choice's callback for when the request leaves that endpoint
+    (the lease slot's release: :mod:`.load`), None if it forecast nothing."""
+
+    on_release: Callable[[], None] | None
+
+
 #: Extra admission test per endpoint (health, circuit breaker); True = may take traffic.
 Admits = Callable[[Endpoint], bool]
 
@@ -92,6 +101,9 @@ class Routing:
         self._teachers = {
             role: policy for role, policy in policies.items() if isinstance(policy, Teaches)
         }
+        self._forecasters = {
+            role: policy for role, policy in policies.items() if isinstance(policy, Forecasts)
+        }
         self._policies = dict(policies)
         self._admits = tuple(admits)
         self._endpoints: dict[Role, tuple[Endpoint, ...]] = {role: () for role in policies}
@@ -117,12 +129,16 @@ class Routing:
     def choose(self, role: Role, key: RoutingKey, avoid_urls: Collection[str] = ()) -> Endpoint:
         """Ask the stage's policy; servers in ``avoid_urls`` (failed in an earlier attempt) are
         skipped while any other candidate remains."""
-        return self._choose(role, key, avoid_urls)[0]
+        chosen, _weight, on_release = self._choose(role, key, avoid_urls)
+        if on_release is not None:
+            on_release()  # nothing is leased: no request waits there on this choice's account
+        return chosen
 
     def _choose(
         self, role: Role, key: RoutingKey, avoid_urls: Collection[str]
-    ) -> tuple[Endpoint, int]:
-        """The endpoint chosen and the token weight to charge it with."""
+    ) -> tuple[Endpoint, int, Callable[[], None] | None]:
+        """The endpoint chosen, the token weight to charge it with, and the policy's callback
+        for the release of that charge (:class:`Forecasts`)."""
         candidates = self.candidates(role)
         if avoid_urls:
             candidates = [ep for ep in candidates if ep.url not in avoid_urls] or candidates
@@ -140,7 +156,8 @@ class Routing:
             if self._peers is not None:
                 loads = self._peers.add_to(loads)
         chosen = self._policies[role].choose(candidates, loads, key)
-        return chosen, weights[chosen]
+        forecaster = self._forecasters.get(role)
+        return chosen, weights[chosen], None if forecaster is None else forecaster.on_release
 
     def weights(
         self, role: Role, candidates: Sequence[Endpoint], key: RoutingKey
@@ -159,25 +176,32 @@ class Routing:
         """Choose a prefill and a decode endpoint and charge both (SPEC §5: decode is charged
         before prefill starts, so concurrent arrivals see it)."""
         with self._ledger.charging():
-            prefill, prefill_tokens = self._choose(Role.PREFILL, key, avoid_urls)
+            prefill, prefill_tokens, prefill_release = self._choose(Role.PREFILL, key, avoid_urls)
             try:
-                decode, decode_tokens = self._choose(Role.DECODE, key, avoid_urls)
+                decode, decode_tokens, decode_release = self._choose(Role.DECODE, key, avoid_urls)
             except NoHealthyEndpoint:
                 for lesson in self.lessons(Role.PREFILL).values():
                     lesson.unlearn()  # that prefill is never sent the request
+                if prefill_release is not None:
+                    prefill_release()
                 raise
             # Decode is PENDING until its leg is sent: charged (policies see it) but not yet
             # visible to the engine (engine truth leaves it out).
             tokens = {prefill: prefill_tokens, decode: decode_tokens}
-            lease = self._ledger.lease(prefill, decode, pending=(decode,), tokens=tokens)
+            releases = _releases((prefill, prefill_release), (decode, decode_release))
+            lease = self._ledger.lease(
+                prefill, decode, pending=(decode,), tokens=tokens, on_release=releases
+            )
             return lease, prefill, decode
 
     def lease_one(
         self, role: Role, key: RoutingKey, avoid_urls: Collection[str] = ()
     ) -> tuple[Lease, Endpoint]:
         with self._ledger.charging():
-            endpoint, weight = self._choose(role, key, avoid_urls)
-            return self._ledger.lease(endpoint, tokens={endpoint: weight}), endpoint
+            endpoint, weight, on_release = self._choose(role, key, avoid_urls)
+            releases = _releases((endpoint, on_release))
+            lease = self._ledger.lease(endpoint, tokens={endpoint: weight}, on_release=releases)
+            return lease, endpoint
 
     def kv_note(self, role: Role) -> str | None:
         """What the ``kv_aware`` policy of ``role`` saw in its last decision (None for other
@@ -202,3 +226,11 @@ class Routing:
         for policy in self._policies.values():
             more = policy.maintain() or more
         return more
+
+
+def _releases(
+    *pairs: tuple[Endpoint, Callable[[], None] | None],
+) -> dict[Endpoint, Callable[[], None]] | None:
+    """The lease's ``on_release`` of the endpoints whose policies gave a callback."""
+    out = {endpoint: callback for endpoint, callback in pairs if callback is not None}
+    return out or None

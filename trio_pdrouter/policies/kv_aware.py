@@ -7,21 +7,36 @@ Per decision, over the candidates:
   given where ``cache_aware``'s is 1.5): the least-loaded candidate, as ``cache_aware`` does;
 * no token ids for the request (``/tokenize`` failed or was not needed): ``cache_aware``'s
   decision over its estimated tree;
-* otherwise each candidate's *hit* is the share of the prompt's full blocks it holds as a
-  leading run (with ids of the prompt's start only, ``partial_tokens``: of the blocks its
-  estimated count fills), each block weighted by its medium (GPU 1,
-  ``--kv-penalty-host|external|disk`` for blocks held only off-GPU). An engine whose event
-  stream is not known to be exact (``known`` false: no events yet, history lost) gets the larger
-  of the estimate (the share of the routing text ``cache_aware``'s tree has seen go there) and
-  what its index shows: after a loss the index is cleared and then holds only blocks stored
-  since, whose removes are all seen, so it may miss blocks but never shows one the engine
-  dropped.
-* a miss everywhere (no candidate holds even the first block): the candidate the estimated
-  tree last sent this prefix to (its *home*) gets the estimate's share as its hit, so an evicted
-  prefix is stored again where its group lives and the engines go on holding different groups
-  (reason ``home``). Measured under cache pressure (``python -m benchmarks --only kv_aware``):
-  without it, misses went to the least loaded engine, every engine came to hold a bit of every
-  group, and the hit rate fell (README).
+* otherwise each candidate's *hit* is the share of the prompt's full blocks it will hold as a
+  leading run when this prompt's turn comes (with ids of the prompt's start only,
+  ``partial_tokens``: of the blocks its estimated count fills), each block weighted by its
+  medium (GPU 1, ``--kv-penalty-host|external|disk`` for blocks held only off-GPU):
+
+  - an engine whose event stream is exact (``known``) by its
+    :class:`~..kv_forecast.Forecast`: what the index holds, plus the prompts sent there and
+    not yet computed, less what those prompts' new blocks will evict (the engine's cache is
+    LRU, its size learnt from the events). Under cache pressure a prefix held now is often
+    gone by the time a request queued behind others is computed: credited from the index
+    alone, that request was charged as a hit and computed as a miss, the loads routing
+    compared were wrong by a whole prompt, and the queues grew uneven. Measured under cache
+    pressure (``python -m benchmarks --only kv_aware``, README): with one router the forecast
+    took TTFT p99 from above ``cache_aware``'s to well below it at the same hit rate;
+  - unless the forecasts are *partial*: a forecast sees only the prompts this router sent, so
+    where other routers send the engines work too (replicas, the workers of ``--workers N``)
+    and more than :data:`~..kv_forecast.FOREIGN_SHARE` of an engine's stored blocks came from
+    elsewhere, every known engine is judged by what its index holds now, which all routers
+    see alike (measured: judged by forecasts that each saw half the traffic, two routers
+    spread each prefix over both engines and lost 10-12 points of hits). Then a miss everywhere
+    (no candidate holds even the first block) goes to the candidate the estimated tree last
+    sent this prefix to (its *home*), which gets the estimate's share as its hit (reason
+    ``home``): without it misses went to the least loaded engine, every engine came to hold a
+    bit of every group, and the hit rate fell;
+  - an engine whose event stream is not known to be exact (``known`` false: no events yet,
+    history lost) by the larger of the estimate (the share of the routing text
+    ``cache_aware``'s tree has seen go there) and what its index shows: after a loss the index
+    is cleared and then holds only blocks stored since, whose removes are all seen, so it may
+    miss blocks but never shows one the engine dropped.
+
 * a hit at or below ``--cache-threshold`` counts as none (``cache_aware``'s rule); between
   balanced loads the largest hit wins, and load only breaks ties between equal hits (score =
   hit - a fraction of one block's share times (load - min_load) / (max_load - min_load)).
@@ -34,18 +49,18 @@ Per decision, over the candidates:
 Prefill load is in tokens by default (:meth:`~._base.PolicySettings.stage_load_metric`): a
 candidate's load is the uncached tokens in flight there plus this request's uncached tokens
 there, which routing charges from :meth:`KvAware.uncached_tokens` (the prompt past the blocks
-credited, and on a miss everywhere past the home's share), so once loads are unbalanced the
-least loaded candidate is also the one that finishes this prefill first. Measured under cache
-pressure in interleaved rounds, each paired with ``cache_aware`` (``BENCH_KV_PARTS=rounds python
--m benchmarks --only kv_aware``, README): counting requests (the default until 2026-12-05),
-``kv_aware`` never found the loads unbalanced; its TTFT p99 ratio and this rule's were alike
-(medians 1.15 and 1.16 with one router, 28 and 18 pairs), this rule 0.4 points closer in
-hits; counting tokens against a threshold of six prompts without the home's credit gave 0.91
-but 5 points fewer hits. The relative threshold is tighter than ``cache_aware``'s: with 1.2
-against 1.5, in 16 rounds of two runs (2026-12-06), TTFT p99 came lower than with 1.5 in 14
-of 16 pairs with one router (median ratio 0.86, hits +1.1 points) and 13 of 16 with
-``--workers 2`` (0.91, hits -1.0); 1.0 (always the least loaded, loads with this request's
-uncached tokens) gave 3-4 points of hits away.
+credited, and on a miss everywhere judged by the indexes past the home's share), so once loads
+are unbalanced the least loaded candidate is also the one that finishes this prefill first.
+Measured under cache pressure in interleaved rounds, each paired with ``cache_aware``
+(``BENCH_KV_PARTS=rounds python -m benchmarks --only kv_aware``, README): counting requests (the
+default until 2026-12-05), ``kv_aware`` never found the loads unbalanced; its TTFT p99 ratio and
+this rule's were alike (medians 1.15 and 1.16 with one router, 28 and 18 pairs), this rule 0.4
+points closer in hits; counting tokens against a threshold of six prompts without the home's
+credit gave 0.91 but 5 points fewer hits. The relative threshold is tighter than
+``cache_aware``'s: with 1.2 against 1.5, in 16 rounds of two runs (2026-12-06), TTFT p99 came
+lower than with 1.5 in 14 of 16 pairs with one router (median ratio 0.86, hits +1.1 points) and
+13 of 16 with ``--workers 2`` (0.91, hits -1.0); 1.0 (always the least loaded, loads with this
+request's uncached tokens) gave 3-4 points of hits away.
 
 With ``--router-temperature`` 0 the best score wins (ties at random); above 0 the choice is
 drawn with probabilities softmax(score / temperature).
@@ -63,13 +78,15 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import attrs
 
 from ..endpoints import Endpoint
+from ..kv_forecast import Forecast
 from ..kv_index import BlockIndex, block_keys
+from ..kv_wire import GPU
 from ._base import DecisionObserver, PolicySettings, RoutingKey
 from ._choice import least_loaded
 from .cache_aware import CacheAware, InsertFeed
@@ -103,7 +120,7 @@ class KvDecision:
 
 
 #: A key, its block keys, each candidate's (hit share, blocks credited, known), and on a miss
-#: everywhere each candidate's home share (:meth:`KvAware._homes`).
+#: everywhere judged by the indexes each candidate's home share (:meth:`KvAware._homes`).
 _Read = tuple[
     RoutingKey, list[int], dict[Endpoint, tuple[float, int, bool]], dict[Endpoint, float] | None
 ]
@@ -147,22 +164,63 @@ class KvAware:
         #: The hits :meth:`uncached_tokens` read for a key, which the :meth:`choose` that
         #: follows it in the same synchronous step uses instead of reading the index again.
         self._read: _Read | None = None
+        #: Each engine's forecast (:mod:`..kv_forecast`), from its first decision with an index.
+        self._forecasts: dict[Endpoint, Forecast] = {}
+        #: The block keys the last :meth:`_choose` computed, for :meth:`_route`.
+        self._keys: tuple[RoutingKey, list[int]] | None = None
+        #: For routing: the last choice's callback for when its request leaves the endpoint
+        #: (:class:`~trio_pdrouter.routing.Forecasts`), None if it forecast nothing.
+        self.on_release: Callable[[], None] | None = None
 
     def choose(
         self, candidates: Sequence[Endpoint], loads: Mapping[Endpoint, int], key: RoutingKey
     ) -> Endpoint:
+        self.on_release = None
         sessions, session = self._sessions, key.hash_key
         if sessions is None or session is None:
-            return self._choose(candidates, loads, key)
-        home = sessions.home(session)
-        if home is not None and home in candidates and not self._overloaded(home, loads, key):
-            self._remember(key, home)
-            self._decided("session", 0, 0, known=False)
-            chosen = home
-        else:
             chosen = self._choose(candidates, loads, key)
-        sessions.bind(session, chosen)
+        else:
+            home = sessions.home(session)
+            if home is not None and home in candidates and not self._overloaded(home, loads, key):
+                self._remember(key, home)
+                self._decided("session", 0, 0, known=False)
+                chosen = home
+            else:
+                chosen = self._choose(candidates, loads, key)
+            sessions.bind(session, chosen)
+        self._read = None
+        self._route(chosen, key)
         return chosen
+
+    def _route(self, chosen: Endpoint, key: RoutingKey) -> None:
+        """Tell the chosen engine's forecast the prompt goes there, until its lease slot is
+        released (:attr:`on_release`)."""
+        view = self._view
+        if view is None or key.tokens is None:
+            return
+        forecast = self._forecast(chosen)
+        if forecast is None:
+            return
+        kept, self._keys = self._keys, None
+        keys = (
+            kept[1]
+            if kept is not None and kept[0] is key
+            else block_keys(key.tokens, view.block_size)
+        )
+        if not keys:
+            return
+        forecast.route(keys)
+        self.on_release = lambda: forecast.release(keys)
+
+    def _forecast(self, endpoint: Endpoint) -> Forecast | None:
+        forecast = self._forecasts.get(endpoint)
+        if forecast is None:
+            assert self._view is not None
+            found = self._view.index(endpoint.url, endpoint.rank)
+            if found is None:
+                return None
+            forecast = self._forecasts[endpoint] = Forecast(found[0])
+        return forecast
 
     def _overloaded(self, home: Endpoint, loads: Mapping[Endpoint, int], key: RoutingKey) -> bool:
         return overloaded(
@@ -192,6 +250,7 @@ class KvAware:
             keys, hits, homes = read[1], read[2], read[3]
         else:
             keys, hits = block_keys(key.tokens, view.block_size), {}
+        self._keys = (key, keys)
         total = self._blocks(key, keys)
         if unbalanced:
             chosen = least_loaded(candidates, loads, self._rng)
@@ -200,14 +259,15 @@ class KvAware:
             return chosen
         shares: list[float] = []
         seen: list[tuple[int, bool]] = []
+        ahead = self._ahead(candidates)
         for candidate in candidates:
             found = hits.get(candidate)
             hit, blocks, known = (
-                found if found is not None else self._hit(candidate, key, keys, total)
+                found if found is not None else self._hit(candidate, key, keys, total, ahead)
             )
             seen.append((blocks, known))
             shares.append(hit)
-        if key.text and not any(blocks for blocks, _known in seen):
+        if not ahead and key.text and not any(blocks for blocks, _known in seen):
             if homes is None or any(c not in homes for c in candidates):
                 homes = self._homes(candidates, key.text)
             shares = [homes[c] for c in candidates]
@@ -235,19 +295,17 @@ class KvAware:
         self, candidates: Sequence[Endpoint], key: RoutingKey
     ) -> dict[Endpoint, int]:
         """The prompt tokens each candidate would compute: those past the blocks its hit
-        credits, on a miss everywhere those past the home's share (as its hit in
-        :meth:`choose`: requests that follow the one bringing the prefix back queue behind it
-        and find its blocks stored), and the estimate's count when the request has no token
-        ids."""
+        credits, and the estimate's count when the request has no token ids."""
         view = self._view
         if view is None or key.tokens is None:
             return self.estimate.uncached_tokens(candidates, key)
         keys = block_keys(key.tokens, view.block_size)
         total = self._blocks(key, keys)
-        hits = {candidate: self._hit(candidate, key, keys, total) for candidate in candidates}
+        ahead = self._ahead(candidates)
+        hits = {c: self._hit(c, key, keys, total, ahead) for c in candidates}
         shares = {candidate: hit for candidate, (hit, _blocks, _known) in hits.items()}
         homes = None
-        if key.text and not any(blocks for _hit, blocks, _known in hits.values()):
+        if not ahead and key.text and not any(blocks for _hit, blocks, _known in hits.values()):
             homes = shares = self._homes(candidates, key.text)
         self._read = (key, keys, hits, homes)
         cached_per_hit = total * view.block_size
@@ -256,13 +314,36 @@ class KvAware:
             for candidate, share in shares.items()
         }
 
+    def _ahead(self, candidates: Sequence[Endpoint]) -> bool:
+        """Whether to judge known engines by their forecasts: when this router sends each of
+        them (nearly) all it computes. Otherwise by their indexes, and a miss everywhere by the
+        home rule (module doc)."""
+        assert self._view is not None
+        for candidate in candidates:
+            forecast = self._forecast(candidate)
+            if forecast is not None and not forecast.complete:
+                return False
+        return True
+
     def _hit(
-        self, candidate: Endpoint, key: RoutingKey, keys: list[int], total: int
+        self, candidate: Endpoint, key: RoutingKey, keys: list[int], total: int, ahead: bool
     ) -> tuple[float, int, bool]:
         """(hit share of the prompt's ``total`` blocks, blocks credited, known) of one
-        candidate."""
+        candidate; ``ahead``: a known engine by its forecast, else by its index."""
         assert self._view is not None
         found = self._view.index(candidate.url, candidate.rank)
+        if found is not None and found[1] and ahead:
+            index = found[0]
+            forecast = self._forecast(candidate)
+            assert forecast is not None
+            # The GPU blocks it will still hold when this prompt's turn comes, then what
+            # other media hold of the rest.
+            blocks = forecast.match(keys)
+            credit = blocks * index.weight(GPU)
+            if blocks < len(keys):
+                more, more_credit = index.match(keys[blocks:], skip=GPU)
+                blocks, credit = blocks + more, credit + more_credit
+            return (credit / total if total else 0.0), blocks, True
         blocks, credit = found[0].match(keys) if found is not None and keys else (0, 0.0)
         lower = credit / total if total else 0.0
         if found is not None and found[1]:
@@ -321,6 +402,8 @@ class KvAware:
 
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
         self.estimate.set_endpoints(endpoints)
+        for gone in set(self._forecasts) - set(endpoints):
+            self._forecasts.pop(gone).close()
         if self._sessions is not None:
             self._sessions.keep_only(frozenset(endpoints))
 

@@ -1,0 +1,276 @@
+"""The forecast of an engine's prefix cache: the index, plus the prompts sent there and not yet
+computed, less what their new blocks evict."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from trio_pdrouter.kv_forecast import DOUBT_BATCHES, Forecast
+from trio_pdrouter.kv_index import BlockIndex, block_keys
+from trio_pdrouter.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored
+
+BS = 2
+
+
+class Engine:
+    """An LRU prefix cache of ``capacity`` blocks publishing its changes to an index, as the
+    simulator's does: a prompt computed stores or touches every block, then evicts."""
+
+    def __init__(self, capacity: int, budget: int = 1000) -> None:
+        self.capacity = capacity
+        self.blocks: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        self.index = BlockIndex(BS, {"GPU": 1.0}, budget)
+
+    def compute(self, tokens: tuple[int, ...], *, publish: bool = True) -> None:
+        events: list[BlockStored | BlockRemoved] = []
+        keys = block_keys(tokens, BS)
+        parent: int | None = None
+        for i, key in enumerate(keys):
+            block = tokens[i * BS : (i + 1) * BS]
+            if key in self.blocks:
+                self.blocks.move_to_end(key)
+            else:
+                self.blocks[key] = block
+                events.append(BlockStored((key,), parent, block, BS, "GPU", True))
+            parent = key
+        evicted = []
+        while len(self.blocks) > self.capacity:
+            evicted.append(self.blocks.popitem(last=False)[0])
+        if evicted:
+            events.append(BlockRemoved(tuple(evicted), "GPU"))
+        if publish:
+            self.index.apply(events)
+
+
+def prompt(group: int, blocks: int = 3) -> tuple[int, ...]:
+    return tuple(1000 * group + i for i in range(blocks * BS))
+
+
+def keys(group: int, blocks: int = 3) -> list[int]:
+    return block_keys(prompt(group, blocks), BS)
+
+
+def warm(engine: Engine) -> None:
+    """Fill the engine past its capacity so the forecast learns it."""
+    for group in range(1, 5):
+        engine.compute(prompt(100 + group))
+
+
+def test_it_starts_from_what_the_index_holds_and_learns_the_capacity_from_evictions() -> None:
+    engine = Engine(capacity=6)
+    engine.compute(prompt(1))
+    forecast = Forecast(engine.index)
+    assert forecast.match(keys(1)) == 3
+    assert forecast.capacity == engine.index.budget  # nothing evicted yet: no bound learnt
+    warm(engine)
+    assert forecast.capacity == 6
+    assert forecast.match(keys(1)) == 0  # evicted, and no prompt in flight brings it back
+
+
+def test_a_prefix_held_now_is_gone_for_a_request_queued_behind_prompts_that_evict_it() -> None:
+    engine = Engine(capacity=6)
+    forecast = Forecast(engine.index)
+    warm(engine)
+    engine.compute(prompt(1))
+    assert forecast.match(keys(1)) == 3
+    # Two new prompts of 3 blocks each are sent there first: computed, they evict group 1.
+    forecast.route(keys(2))
+    forecast.route(keys(3))
+    assert engine.index.held_keys()  # the index still shows it...
+    assert forecast.match(keys(1)) == 0  # ...but by this request's turn it is gone
+    # A prompt sent there is held for those after it, stored or not.
+    assert forecast.match(keys(3)) == 3
+
+
+def test_a_prompt_in_flight_keeps_its_blocks_through_the_engine_evicting_them() -> None:
+    engine = Engine(capacity=6)
+    forecast = Forecast(engine.index)
+    warm(engine)
+    engine.compute(prompt(1))
+    forecast.route(keys(1))  # sent again: the engine will touch or store them again
+    engine.compute(prompt(2))
+    engine.compute(prompt(3))  # other traffic evicts group 1 meanwhile
+    assert not any(engine.index.holds(k) for k in keys(1))
+    assert forecast.match(keys(1)) == 3
+    assert forecast.match(keys(3)) == 3  # and what the engine holds after it stays
+    assert forecast.match(keys(2)) == 0  # but group 1, computed, evicts group 2
+    engine.compute(prompt(1))  # computed: stored again
+    forecast.release(keys(1))
+    assert forecast.match(keys(1)) == 3
+    engine.compute(prompt(4))
+    engine.compute(prompt(5))  # evicted, and nothing in flight awaits it: gone
+    assert forecast.match(keys(1)) == 0
+
+
+def test_a_prompt_the_engine_never_stored_is_dropped_a_few_batches_later() -> None:
+    engine = Engine(capacity=60)
+    forecast = Forecast(engine.index)
+    forecast.route(keys(1))
+    forecast.release(keys(1))  # refused: never computed
+    for _ in range(DOUBT_BATCHES - 1):  # its store may still be on the way
+        engine.index.apply([])
+        assert forecast.match(keys(1)) == 3
+    engine.index.apply([])  # the engine's batches since did not store it
+    assert forecast.match(keys(1)) == 0
+
+
+def test_a_store_arriving_after_the_answer_keeps_the_prompt() -> None:
+    engine = Engine(capacity=6)
+    warm(engine)
+    forecast = Forecast(engine.index)
+    forecast.route(keys(1))
+    engine.compute(prompt(1), publish=False)
+    forecast.release(keys(1))  # the answer came first...
+    for _ in range(DOUBT_BATCHES - 1):  # ...then batches the router had not read yet...
+        engine.index.apply([])
+    engine.index.apply([BlockStored(tuple(keys(1)), None, prompt(1), BS, "GPU", True)])
+    assert forecast.match(keys(1)) == 3  # ...then its store
+    for _ in range(DOUBT_BATCHES):
+        engine.index.apply([])
+    assert forecast.match(keys(1)) == 3
+
+
+def test_blocks_stored_by_traffic_the_router_did_not_send_come_in() -> None:
+    engine = Engine(capacity=6)
+    warm(engine)
+    forecast = Forecast(engine.index)
+    engine.compute(prompt(7))  # another replica's request
+    assert forecast.match(keys(7)) == 3
+
+
+def test_a_late_store_of_a_block_the_forecast_evicted_does_not_bring_it_back() -> None:
+    engine = Engine(capacity=6)
+    warm(engine)
+    forecast = Forecast(engine.index)
+    forecast.route(keys(1))
+    forecast.route(keys(2))
+    forecast.route(keys(3))  # group 1 will be evicted by groups 2 and 3
+    engine.compute(prompt(1))  # group 1 computed and stored: its turn came first
+    assert forecast.match(keys(1)) == 0
+    forecast.release(keys(1))
+    assert forecast.match(keys(1)) == 0
+
+
+def test_a_clear_forgets_what_is_held_but_not_what_is_in_flight() -> None:
+    engine = Engine(capacity=6)
+    warm(engine)
+    forecast = Forecast(engine.index)
+    forecast.route(keys(1))
+    engine.index.apply([AllBlocksCleared()])
+    assert len(forecast) == 0
+    engine.compute(prompt(1))
+    forecast.release(keys(1))
+    assert forecast.match(keys(1)) == 3
+
+
+def test_a_router_that_sends_only_part_of_an_engine_s_traffic_has_a_partial_view() -> None:
+    engine = Engine(capacity=6)
+    forecast = Forecast(engine.index)
+    assert forecast.complete  # nothing stored yet: nothing from elsewhere either
+    history = [BlockStored((k,), None, (k, k), BS, "GPU", True) for k in range(500, 520)]
+    engine.index.apply(history, live=False)  # a replay: history, not traffic from elsewhere
+    assert forecast.complete and forecast.match([block_keys((500, 500), BS)[0]]) == 1
+    for group in range(1, 21):  # all sent by this router
+        forecast.route(keys(group))
+        engine.compute(prompt(group))
+        forecast.release(keys(group))
+    assert forecast.complete
+    for group in range(21, 24):  # 3 prompts of 23 from elsewhere: more than a tenth
+        engine.compute(prompt(group))
+    assert not forecast.complete
+    for group in range(24, 60):  # the router's again
+        forecast.route(keys(group))
+        engine.compute(prompt(group))
+        forecast.release(keys(group))
+    assert forecast.complete
+
+
+def test_close_stops_watching() -> None:
+    engine = Engine(capacity=6)
+    forecast = Forecast(engine.index)
+    forecast.close()
+    engine.compute(prompt(1))
+    assert forecast.match(keys(1)) == 0
+
+
+class ForecastMachine(RuleBasedStateMachine):
+    """Prompts sent, computed in order (published or not), answered, refused, traffic from
+    elsewhere and clears, in any interleaving: the forecast never holds a block that neither
+    the engine holds nor a prompt in flight will store, once the engine has published a batch
+    since; and with every prompt computed in the order sent and every batch published, it
+    holds exactly what the engine holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine = Engine(capacity=8, budget=64)
+        self.forecast = Forecast(self.engine.index)
+        self.queue: list[tuple[int, ...]] = []  # sent, not computed
+        self.computed: list[tuple[int, ...]] = []  # computed, not answered
+        self.exact = True  # every change so far happened in the order the forecast assumes
+
+    @rule(group=st.integers(1, 6), blocks=st.integers(1, 4))
+    def send(self, group: int, blocks: int) -> None:
+        tokens = prompt(group, blocks)
+        self.forecast.route(block_keys(tokens, BS))
+        self.queue.append(tokens)
+
+    @precondition(lambda self: self.queue)
+    @rule()
+    def compute(self) -> None:
+        tokens = self.queue.pop(0)
+        self.engine.compute(tokens)
+        self.computed.append(tokens)
+
+    @precondition(lambda self: self.computed)
+    @rule()
+    def answer(self) -> None:
+        self.forecast.release(block_keys(self.computed.pop(0), BS))
+
+    @precondition(lambda self: self.queue)
+    @rule()
+    def refuse(self) -> None:
+        self.forecast.release(block_keys(self.queue.pop(0), BS))
+        self.exact = False
+
+    @rule(group=st.integers(1, 6))
+    def elsewhere(self, group: int) -> None:
+        self.engine.compute(prompt(group, 2))
+        self.exact = False
+
+    @rule()
+    def clear(self) -> None:
+        self.engine.blocks.clear()
+        self.engine.index.apply([AllBlocksCleared()])
+        self.exact = False
+
+    @invariant()
+    def never_credits_what_nothing_will_store(self) -> None:
+        awaited = {k for tokens in self.queue + self.computed for k in block_keys(tokens, BS)}
+        held = set(self.forecast._lru)
+        doubted = set(self.forecast._doubted)
+        assert held <= set(self.engine.blocks) | awaited | doubted
+
+    @invariant()
+    def bounded(self) -> None:
+        forecast = self.forecast
+        assert len(forecast) <= forecast.capacity
+        awaited = {k for tokens in self.queue + self.computed for k in block_keys(tokens, BS)}
+        assert set(forecast._awaited) == awaited
+        assert set(forecast._expected) <= awaited | set(forecast._settled)
+
+    @invariant()
+    def exact_when_the_order_holds(self) -> None:
+        forecast = self.forecast
+        if not self.exact or self.queue or self.computed or forecast._doubted:
+            return
+        if forecast.capacity != 8:  # not learnt yet
+            return
+        assert list(forecast._lru) == list(self.engine.blocks)
+
+
+ForecastMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40)
+TestForecastMachine = ForecastMachine.TestCase

@@ -1,0 +1,215 @@
+"""What one engine's prefix cache will hold when the prompts sent to it are computed (no I/O).
+
+The index (:mod:`.kv_index`) says which blocks an engine holds now. Under cache pressure that is
+not what a request finds: it waits behind the prompts already sent there, and their new blocks
+evict the least recently used ones (vLLM's prefix cache frees blocks in LRU order), so a prefix
+held now may be gone by the time the request is computed, while a prefix sent there a moment
+ago, not stored yet, will be there. A :class:`Forecast` is an LRU of the router's own block keys
+for one engine (and DP rank), in the order the engine will have touched them once it has
+computed every prompt sent to it:
+
+* It starts from what the index holds, in the order the blocks were stored.
+* :meth:`Forecast.route`: a prompt is sent there. Its blocks become the most recent (the engine
+  stores or touches every block of a prompt it computes) and are *awaited* until its
+  :meth:`Forecast.release`. Past the capacity the least recent go: the eviction the events will
+  report later. A key that goes while a prompt in flight awaits it is *expected*: that prompt
+  is computed before the eviction happens, and its store event is no news, so it does not
+  bring the key back (remembered until the engine's batch after that prompt's release).
+* :meth:`Forecast.release`: the prompt's prefill ended (answered, failed, cancelled). A key no
+  other prompt in flight awaits and the index does not hold is dropped unless one of the
+  engine's next :data:`DOUBT_BATCHES` batches stores it: the answer and the events travel
+  apart, so the store of a prompt just computed may arrive after its answer, and an engine
+  that refused the prompt never stores it.
+* :meth:`Forecast.applied` (the index's batches, :class:`~.kv_index.IndexWatcher`): a key the
+  engine evicted goes unless a prompt in flight awaits it (that prompt stores it again); a key
+  stored that the forecast neither holds nor expects (traffic from elsewhere: another
+  replica, a client that reaches the engine directly, a replay) comes in as the most recent.
+  The engine stored it now, before the prompts in flight will touch theirs:
+  past the capacity, the keys they await are kept over it.
+* The capacity is learnt from the index: the most GPU blocks it held after a batch, once the
+  engine has been seen evicting; until then the index's budget. vLLM's evictable pool is the
+  GPU's blocks less those of running requests, so this errs on the large side, where the
+  forecast keeps more than the engine will, as the index alone would.
+* :meth:`Forecast.cleared`: the index was cleared (a loss, a restart, ``AllBlocksCleared``):
+  every key held goes; awaited keys stay awaited.
+* :attr:`Forecast.complete`: whether the router sends the engine (nearly) all it computes.
+  Stores of blocks the forecast neither held nor expected come from elsewhere; past
+  :data:`FOREIGN_SHARE` of the recent stores, the forecast misses other routers' prompts and
+  their evictions, and the policy judges by the index instead. Replayed batches are history,
+  not traffic: they are not counted.
+
+A forecast only ever holds keys the index holds or a prompt in flight was sent with: it never
+credits a block the engine dropped that nothing will store again. Memory: at most the capacity
+in held keys, and about twice the keys of the prompts in flight.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from .kv_index import BlockIndex
+from .kv_wire import GPU
+
+__all__ = ["Forecast"]
+
+#: Batches an engine may apply after a prompt's release before its blocks, not stored by then,
+#: are dropped: the router may still have that many batches of the engine's to read when the
+#: prompt's answer arrives (a busy router reads its sockets late), and a prompt the engine
+#: refused keeps its credit that long.
+DOUBT_BATCHES = 32
+#: The share of an engine's stored blocks from traffic the router did not send above which
+#: its view is partial (:attr:`Forecast.complete`), over about the last :data:`STORES_SEEN`.
+FOREIGN_SHARE = 0.1
+STORES_SEEN = 4096
+
+
+class Forecast:
+    """One engine's prefix cache once the prompts in flight are computed (see the module doc).
+
+    It watches ``index`` from construction until :meth:`close`.
+    """
+
+    def __init__(self, index: BlockIndex) -> None:
+        self._index = index
+        #: Held keys, least recently touched first.
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        #: Keys the forecast evicted while a prompt in flight awaited them: their store is
+        #: expected and is no news. Kept until the batch after the last such prompt's release.
+        self._expected: dict[int, None] = {}
+        #: Expected keys no prompt awaits any more, forgotten after the next batch.
+        self._settled: list[int] = []
+        #: Key -> prompts in flight awaiting it.
+        self._awaited: dict[int, int] = {}
+        #: Keys released while the index did not hold them -> batches left before they are
+        #: dropped unless stored meanwhile (:data:`DOUBT_BATCHES`).
+        self._doubted: dict[int, int] = {}
+        #: Blocks stored that the forecast held or expected, and blocks it did not (traffic
+        #: the router did not send), halved past :data:`STORES_SEEN`.
+        self._own_stores = 0
+        self._foreign_stores = 0
+        #: The most GPU blocks the index held after a batch, and whether the engine evicted.
+        self._most_held = 0
+        self._evicting = False
+        for key in index.held_keys(GPU):  # what it holds already, in the order stored
+            self._lru[key] = None
+        index.watch(self)
+
+    def close(self) -> None:
+        """Stop watching the index."""
+        self._index.unwatch(self)
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    @property
+    def capacity(self) -> int:
+        """Blocks the engine's prefix cache holds (learnt; see the module doc)."""
+        return self._most_held if self._evicting and self._most_held else self._index.budget
+
+    def match(self, keys: Sequence[int]) -> int:
+        """How many leading ``keys`` the engine will hold."""
+        lru = self._lru
+        n = 0
+        for key in keys:
+            if key not in lru:
+                break
+            n += 1
+        return n
+
+    def route(self, keys: Sequence[int]) -> None:
+        """A prompt with these block keys was sent to the engine."""
+        lru, awaited = self._lru, self._awaited
+        for key in keys:
+            if key in lru:
+                lru.move_to_end(key)
+            else:
+                lru[key] = None
+            awaited[key] = awaited.get(key, 0) + 1
+        self._trim()
+
+    def release(self, keys: Sequence[int]) -> None:
+        """The prefill of a prompt :meth:`route` was told of has ended."""
+        awaited, index, doubted = self._awaited, self._index, self._doubted
+        for key in keys:
+            left = awaited.get(key, 0) - 1
+            if left > 0:
+                awaited[key] = left
+                continue
+            awaited.pop(key, None)
+            if not index.holds(key):
+                doubted[key] = DOUBT_BATCHES
+            if key in self._expected:
+                self._settled.append(key)
+
+    def applied(
+        self, stored: Sequence[int], removed: Sequence[int], held: int, *, live: bool
+    ) -> None:
+        lru, expected, awaited = self._lru, self._expected, self._awaited
+        if removed:
+            self._evicting = True
+            for key in removed:
+                if key not in awaited:
+                    lru.pop(key, None)
+        if self._evicting and held > self._most_held:
+            self._most_held = held
+        foreign = 0
+        for key in stored:
+            if key not in lru and key not in expected:
+                lru[key] = None
+                foreign += key not in awaited
+        if live:
+            self._count_stores(len(stored) - foreign, foreign)
+        for key in self._settled:
+            if key not in awaited:
+                expected.pop(key, None)
+        self._settled.clear()
+        self._settle_doubts()
+        # What the engine stored now comes before what the prompts in flight will touch: past
+        # the capacity, the least recent keys no prompt awaits go first.
+        capacity = self.capacity
+        turns = len(lru)
+        while len(lru) > capacity and turns:
+            key, _ = lru.popitem(last=False)
+            turns -= 1
+            if key in awaited:
+                lru[key] = None
+        self._trim()
+
+    @property
+    def complete(self) -> bool:
+        """Whether the router sends this engine (nearly) all it computes: at most
+        :data:`FOREIGN_SHARE` of the blocks it stored lately came from elsewhere."""
+        return self._foreign_stores <= FOREIGN_SHARE * (self._own_stores + self._foreign_stores)
+
+    def _count_stores(self, own: int, foreign: int) -> None:
+        self._own_stores += own
+        self._foreign_stores += foreign
+        if self._own_stores + self._foreign_stores > STORES_SEEN:
+            self._own_stores //= 2
+            self._foreign_stores //= 2
+
+    def _settle_doubts(self) -> None:
+        """One more batch for the doubted keys: those stored (or awaited again) stay, those
+        out of batches go."""
+        doubted, index, awaited, lru = self._doubted, self._index, self._awaited, self._lru
+        for key, left in list(doubted.items()):
+            if key in awaited or index.holds(key):
+                del doubted[key]
+            elif left <= 1:
+                del doubted[key]
+                lru.pop(key, None)
+            else:
+                doubted[key] = left - 1
+
+    def cleared(self) -> None:
+        self._lru.clear()
+        self._doubted.clear()
+
+    def _trim(self) -> None:
+        lru, awaited = self._lru, self._awaited
+        capacity = self.capacity
+        while len(lru) > capacity:
+            key, _ = lru.popitem(last=False)
+            if key in awaited:
+                self._expected[key] = None
