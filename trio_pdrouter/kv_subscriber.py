@@ -15,20 +15,21 @@ feeds it. pyzmq runs under trio without threads, with these rules:
   frames until the end marker (seq -1); ``replay_timeout_s`` without a frame (before the first
   or between two: a long replay that keeps coming is not cut) ends it, and the DEALER is
   replaced so a late answer cannot be taken for the next one. Without any frame the replay
-  failed; with some, they are taken as a replay that ends there, and the feed asks for the rest
-  as for any gap: vLLM's ROUTER sends a whole buffer at once and drops what the pipe to the
-  DEALER cannot take, the end marker with it, which a busy router or host makes likely (seen in
-  ``python -m benchmarks --only kv_aware``: routers started in front of engines whose buffers
-  were full stayed unknown for whole runs, each full replay losing its tail). At most
-  ``max_replay_bytes`` of payloads are kept, the oldest dropped first: such a replay starts
-  later than asked, which the feed takes as history no longer buffered (an index that may miss
-  blocks, never one that shows a block dropped). Once the replay has ended, the frames are
-  decoded and applied :data:`_DECODE_SLICE` at a time (a replay's decoded batches are several
-  times its payload bytes: they never all live at once), and the feed's live batches wait in the
-  SUB socket until the replay is applied: the feed takes no live batch in the middle of a
-  replay. Besides the replays a gap asks for, each feed probes every ``probe_interval_s`` (a
-  lost last batch, or a feed UNKNOWN whose history from seq 0 may still be buffered; once a
-  replay shows it gone, only the batches after the last one are asked for).
+  failed; with some, they are taken as a replay that ends there (or at the first batch missing
+  among them), and the feed asks for the rest as for any gap: vLLM's ROUTER sends a whole buffer
+  at once and drops what the pipe to the DEALER cannot take at that moment (frames in the
+  middle, the end marker), which a busy router or host makes likely (seen in ``python -m
+  benchmarks --only kv_aware``: routers started in front of engines whose buffers were full
+  stayed unknown for whole runs, each full replay losing its tail). At most ``max_replay_bytes``
+  of payloads are kept, the oldest dropped first: such a replay starts later than asked, which
+  the feed takes as history no longer buffered (an index that may miss blocks, never one that
+  shows a block dropped). Once the replay has ended, the frames are decoded and applied
+  :data:`_DECODE_SLICE` at a time (a replay's decoded batches are several times its payload
+  bytes: they never all live at once), and the feed's live batches wait in the SUB socket until
+  the replay is applied: the feed takes no live batch in the middle of a replay. Besides the
+  replays a gap asks for, each feed probes every ``probe_interval_s`` (a lost last batch, or a
+  feed UNKNOWN whose history from seq 0 may still be buffered; once a replay shows it gone, only
+  the batches after the last one are asked for).
 * Whatever a source does (malformed frames, a dead publisher, a refused replay), the router
   keeps serving: the feed goes UNKNOWN and the policy falls back to its estimate.
 """
@@ -317,7 +318,7 @@ class KvEvents:
         """Decode and apply a replay's frames to ``feed`` a slice at a time (only one slice of
         decoded batches lives at once), its live batches held back meanwhile (module doc)."""
         key = source.engine
-        ordered = deque(sorted(frames, key=lambda frame: frame[0]))
+        ordered = deque(_leading_run(sorted(frames, key=lambda frame: frame[0])))
         frames.clear()
         if not feed.replay_begins(start, ordered[0][0] if ordered else None, ask=ask):
             return
@@ -405,3 +406,12 @@ class KvEvents:
                 }
             )
         return out
+
+
+def _leading_run(frames: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    """The replay's frames up to the first one missing: those past a hole are left for the
+    next replay, which the feed asks from the last one kept (module doc)."""
+    for i in range(1, len(frames)):
+        if frames[i][0] != frames[i - 1][0] + 1:
+            return frames[:i]
+    return frames
