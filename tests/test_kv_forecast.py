@@ -60,6 +60,15 @@ def warm(engine: Engine) -> None:
         engine.compute(prompt(100 + group))
 
 
+def warmed() -> tuple[Engine, Forecast]:
+    """An engine of 6 blocks, full, and a forecast that learnt its size."""
+    engine = Engine(capacity=6)
+    forecast = Forecast(engine.index)
+    warm(engine)
+    assert forecast.capacity == 6
+    return engine, forecast
+
+
 def test_it_starts_from_what_the_index_holds_and_learns_the_capacity_from_evictions() -> None:
     engine = Engine(capacity=6)
     engine.compute(prompt(1))
@@ -72,9 +81,7 @@ def test_it_starts_from_what_the_index_holds_and_learns_the_capacity_from_evicti
 
 
 def test_a_prefix_held_now_is_gone_for_a_request_queued_behind_prompts_that_evict_it() -> None:
-    engine = Engine(capacity=6)
-    forecast = Forecast(engine.index)
-    warm(engine)
+    engine, forecast = warmed()
     engine.compute(prompt(1))
     assert forecast.match(keys(1)) == 3
     # Two new prompts of 3 blocks each are sent there first: computed, they evict group 1.
@@ -87,9 +94,7 @@ def test_a_prefix_held_now_is_gone_for_a_request_queued_behind_prompts_that_evic
 
 
 def test_a_prompt_in_flight_keeps_its_blocks_through_the_engine_evicting_them() -> None:
-    engine = Engine(capacity=6)
-    forecast = Forecast(engine.index)
-    warm(engine)
+    engine, forecast = warmed()
     engine.compute(prompt(1))
     forecast.route(keys(1))  # sent again: the engine will touch or store them again
     engine.compute(prompt(2))
@@ -119,9 +124,7 @@ def test_a_prompt_the_engine_never_stored_is_dropped_a_few_batches_later() -> No
 
 
 def test_a_store_arriving_after_the_answer_keeps_the_prompt() -> None:
-    engine = Engine(capacity=6)
-    warm(engine)
-    forecast = Forecast(engine.index)
+    engine, forecast = warmed()
     forecast.route(keys(1))
     engine.compute(prompt(1), publish=False)
     forecast.release(keys(1))  # the answer came first...
@@ -135,17 +138,13 @@ def test_a_store_arriving_after_the_answer_keeps_the_prompt() -> None:
 
 
 def test_blocks_stored_by_traffic_the_router_did_not_send_come_in() -> None:
-    engine = Engine(capacity=6)
-    warm(engine)
-    forecast = Forecast(engine.index)
+    engine, forecast = warmed()
     engine.compute(prompt(7))  # another replica's request
     assert forecast.match(keys(7)) == 3
 
 
 def test_a_late_store_of_a_block_the_forecast_evicted_does_not_bring_it_back() -> None:
-    engine = Engine(capacity=6)
-    warm(engine)
-    forecast = Forecast(engine.index)
+    engine, forecast = warmed()
     forecast.route(keys(1))
     forecast.route(keys(2))
     forecast.route(keys(3))  # group 1 will be evicted by groups 2 and 3
@@ -156,9 +155,7 @@ def test_a_late_store_of_a_block_the_forecast_evicted_does_not_bring_it_back() -
 
 
 def test_a_clear_forgets_what_is_held_but_not_what_is_in_flight() -> None:
-    engine = Engine(capacity=6)
-    warm(engine)
-    forecast = Forecast(engine.index)
+    engine, forecast = warmed()
     forecast.route(keys(1))
     engine.index.apply([AllBlocksCleared()])
     assert len(forecast) == 0

@@ -167,13 +167,16 @@ class Forecast:
         self._settle_doubts()
         # What the engine stored now comes before what the prompts in flight will touch: past
         # the capacity, the least recent keys no prompt awaits go first.
-        capacity = self.capacity
-        turns = len(lru)
-        while len(lru) > capacity and turns:
-            key, _ = lru.popitem(last=False)
-            turns -= 1
-            if key in awaited:
-                lru[key] = None
+        need = len(lru) - self.capacity
+        if need > 0:
+            victims: list[int] = []
+            for key in lru:
+                if key not in awaited:
+                    victims.append(key)
+                    if len(victims) == need:
+                        break
+            for key in victims:
+                del lru[key]
         self._trim()
 
     @property
