@@ -245,9 +245,13 @@ async def test_a_replay_that_keeps_coming_is_not_cut_by_its_timeout(
         nursery.cancel_scope.cancel()
 
 
-async def serve_cut(router: zmq.Socket[bytes], journal: KvJournal, most: int) -> None:
-    """Answer every replay request with at most ``most`` batches, the end marker only when
-    the rest fits (a ROUTER dropping what the DEALER's pipe cannot take)."""
+async def serve_lossy(
+    router: zmq.Socket[bytes],
+    journal: KvJournal,
+    passes: Callable[[list[list[bytes]]], list[list[bytes]]],
+) -> None:
+    """Answer every replay request with the frames ``passes`` lets through of the whole answer
+    (a ROUTER dropping what the DEALER's pipe cannot take when it sends)."""
     fd = router.getsockopt(zmq.FD)
     assert isinstance(fd, int)
     while True:
@@ -256,9 +260,17 @@ async def serve_cut(router: zmq.Socket[bytes], journal: KvJournal, most: int) ->
         except zmq.Again:
             await trio.lowlevel.wait_readable(fd)
             continue
-        replies = journal.replay_frames(int.from_bytes(start, "big", signed=True))
-        for reply in replies if len(replies) <= most + 1 else replies[:most]:
+        for reply in passes(journal.replay_frames(int.from_bytes(start, "big", signed=True))):
             router.send_multipart([identity, *reply])
+
+
+def first_two_unless_the_rest_fits(replies: list[list[bytes]]) -> list[list[bytes]]:
+    """At most 2 batches, the end marker only when the rest fits."""
+    return replies if len(replies) <= 3 else replies[:2]
+
+
+def without_the_third(replies: list[list[bytes]]) -> list[list[bytes]]:
+    return replies[:2] + replies[3:]
 
 
 async def test_a_replay_that_stops_before_its_end_is_taken_and_the_rest_asked_for(
@@ -269,28 +281,14 @@ async def test_a_replay_that_stops_before_its_end_is_taken_and_the_rest_asked_fo
     next probe asked for the whole history again)."""
     engine = Engine(ctx, 0, buffer=100)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(serve_cut, engine.router, engine.journal, 2)
+        nursery.start_soon(
+            serve_lossy, engine.router, engine.journal, first_two_unless_the_rest_fits
+        )
         events, feed = await replayed_all(nursery, engine, ctx)
         await until(lambda: feed.last_seq == 5)
         assert feed.known and same_blocks(events, "http://e", engine)
         assert credited(events, "http://e", PROMPTS[5]) == 4
         nursery.cancel_scope.cancel()
-
-
-async def serve_holed(router: zmq.Socket[bytes], journal: KvJournal) -> None:
-    """Answer every replay request without its third frame (a ROUTER that found the pipe full
-    for a moment in the middle of a replay)."""
-    fd = router.getsockopt(zmq.FD)
-    assert isinstance(fd, int)
-    while True:
-        try:
-            identity, _empty, start = router.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            await trio.lowlevel.wait_readable(fd)
-            continue
-        replies = journal.replay_frames(int.from_bytes(start, "big", signed=True))
-        for reply in replies[:2] + replies[3:]:
-            router.send_multipart([identity, *reply])
 
 
 async def test_a_replay_with_a_hole_is_taken_up_to_it_and_the_rest_asked_for(
@@ -301,7 +299,7 @@ async def test_a_replay_with_a_hole_is_taken_up_to_it_and_the_rest_asked_for(
     a loss, go unknown and ask for the whole history again, never to see it whole)."""
     engine = Engine(ctx, 0, buffer=100)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(serve_holed, engine.router, engine.journal)
+        nursery.start_soon(serve_lossy, engine.router, engine.journal, without_the_third)
         events, feed = await replayed_all(nursery, engine, ctx)
         await until(lambda: feed.known and feed.last_seq == 5)
         assert same_blocks(events, "http://e", engine) and feed.gaps == 0
