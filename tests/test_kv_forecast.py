@@ -248,8 +248,8 @@ class ForecastMachine(RuleBasedStateMachine):
     def never_credits_what_nothing_will_store(self) -> None:
         awaited = {k for tokens in self.queue + self.computed for k in block_keys(tokens, BS)}
         held = set(self.forecast._lru)
-        doubted = set(self.forecast._doubted)
-        assert held <= set(self.engine.blocks) | awaited | doubted
+        settling = set(self.forecast._settling)
+        assert held <= set(self.engine.blocks) | awaited | settling
 
     @invariant()
     def bounded(self) -> None:
@@ -257,12 +257,13 @@ class ForecastMachine(RuleBasedStateMachine):
         assert len(forecast) <= forecast.capacity
         awaited = {k for tokens in self.queue + self.computed for k in block_keys(tokens, BS)}
         assert set(forecast._awaited) == awaited
-        assert set(forecast._expected) <= awaited | set(forecast._settled)
+        assert set(forecast._expected) <= awaited | set(forecast._settling)
 
     @invariant()
     def exact_when_the_order_holds(self) -> None:
         forecast = self.forecast
-        if not self.exact or self.queue or self.computed or forecast._doubted:
+        unsettled = any(not self.engine.index.holds(k) for k in forecast._settling)
+        if not self.exact or self.queue or self.computed or unsettled:
             return
         if forecast.capacity != 8:  # not learnt yet
             return

@@ -14,12 +14,12 @@ computed every prompt sent to it:
   :meth:`Forecast.release`. Past the capacity the least recent go: the eviction the events will
   report later. A key that goes while a prompt in flight awaits it is *expected*: that prompt
   is computed before the eviction happens, and its store event is no news, so it does not
-  bring the key back (remembered until the engine's batch after that prompt's release).
-* :meth:`Forecast.release`: the prompt's prefill ended (answered, failed, cancelled). A key no
-  other prompt in flight awaits and the index does not hold is dropped unless one of the
-  engine's next :data:`DOUBT_BATCHES` batches stores it: the answer and the events travel
-  apart, so the store of a prompt just computed may arrive after its answer, and an engine
-  that refused the prompt never stores it.
+  bring the key back.
+* :meth:`Forecast.release`: the prompt's prefill ended (answered, failed, cancelled). Its keys
+  no other prompt in flight awaits are *settling* for the engine's next :data:`DOUBT_BATCHES`
+  batches: the answer and the events travel apart, so the store of a prompt just computed may
+  arrive after its answer. Then an expected key is forgotten, and a key the index does not
+  hold is dropped (an engine that refused the prompt never stores it).
 * :meth:`Forecast.applied` (the index's batches, :class:`~.kv_index.IndexWatcher`): a key the
   engine evicted goes unless a prompt in flight awaits it (that prompt stores it again); a key
   stored that the forecast neither holds nor expects (traffic from elsewhere: another
@@ -40,7 +40,8 @@ computed every prompt sent to it:
 
 A forecast only ever holds keys the index holds or a prompt in flight was sent with: it never
 credits a block the engine dropped that nothing will store again. Memory: at most the capacity
-in held keys, and about twice the keys of the prompts in flight.
+in held keys, and about twice the keys of the prompts in flight and of those released in the
+last :data:`DOUBT_BATCHES` batches.
 """
 
 from __future__ import annotations
@@ -75,22 +76,19 @@ class Forecast:
         #: Held keys, least recently touched first.
         self._lru: OrderedDict[int, None] = OrderedDict()
         #: Keys the forecast evicted while a prompt in flight awaited them: their store is
-        #: expected and is no news. Kept until the batch after the last such prompt's release.
+        #: expected and is no news.
         self._expected: dict[int, None] = {}
-        #: Expected keys no prompt awaits any more, forgotten after the next batch.
-        self._settled: list[int] = []
         #: Key -> prompts in flight awaiting it.
         self._awaited: dict[int, int] = {}
-        #: Keys released while the index did not hold them -> batches left before they are
-        #: dropped unless stored meanwhile (:data:`DOUBT_BATCHES`).
-        self._doubted: dict[int, int] = {}
+        #: Keys of released prompts no prompt awaits any more -> batches left to settle.
+        self._settling: dict[int, int] = {}
         #: Blocks stored that the forecast held or expected, and blocks it did not (traffic
         #: the router did not send), halved past :data:`STORES_SEEN`.
         self._own_stores = 0
         self._foreign_stores = 0
-        #: The most GPU blocks the index held after a batch, and whether the engine evicted.
+        #: The most GPU blocks the index held after a batch since the engine first evicted (0
+        #: before).
         self._most_held = 0
-        self._evicting = False
         for key in index.held_keys(GPU):  # what it holds already, in the order stored
             self._lru[key] = None
         index.watch(self)
@@ -105,7 +103,7 @@ class Forecast:
     @property
     def capacity(self) -> int:
         """Blocks the engine's prefix cache holds (learnt; see the module doc)."""
-        return self._most_held if self._evicting and self._most_held else self._index.budget
+        return self._most_held or self._index.budget
 
     def match(self, keys: Sequence[int]) -> int:
         """How many leading ``keys`` the engine will hold."""
@@ -130,28 +128,23 @@ class Forecast:
 
     def release(self, keys: Sequence[int]) -> None:
         """The prefill of a prompt :meth:`route` was told of has ended."""
-        awaited, index, doubted = self._awaited, self._index, self._doubted
+        awaited, settling = self._awaited, self._settling
         for key in keys:
             left = awaited.get(key, 0) - 1
             if left > 0:
                 awaited[key] = left
-                continue
-            awaited.pop(key, None)
-            if not index.holds(key):
-                doubted[key] = DOUBT_BATCHES
-            if key in self._expected:
-                self._settled.append(key)
+            else:
+                awaited.pop(key, None)
+                settling[key] = DOUBT_BATCHES
 
     def applied(
         self, stored: Sequence[int], removed: Sequence[int], held: int, *, live: bool
     ) -> None:
         lru, expected, awaited = self._lru, self._expected, self._awaited
-        if removed:
-            self._evicting = True
-            for key in removed:
-                if key not in awaited:
-                    lru.pop(key, None)
-        if self._evicting and held > self._most_held:
+        for key in removed:
+            if key not in awaited:
+                lru.pop(key, None)
+        if (removed or self._most_held) and held > self._most_held:
             self._most_held = held
         foreign = 0
         for key in stored:
@@ -160,11 +153,7 @@ class Forecast:
                 foreign += key not in awaited
         if live:
             self._count_stores(len(stored) - foreign, foreign)
-        for key in self._settled:
-            if key not in awaited:
-                expected.pop(key, None)
-        self._settled.clear()
-        self._settle_doubts()
+        self._settle()
         # What the engine stored now comes before what the prompts in flight will touch: past
         # the capacity, the least recent keys no prompt awaits go first.
         need = len(lru) - self.capacity
@@ -192,22 +181,23 @@ class Forecast:
             self._own_stores //= 2
             self._foreign_stores //= 2
 
-    def _settle_doubts(self) -> None:
-        """One more batch for the doubted keys: those stored (or awaited again) stay, those
-        out of batches go."""
-        doubted, index, awaited, lru = self._doubted, self._index, self._awaited, self._lru
-        for key, left in list(doubted.items()):
-            if key in awaited or index.holds(key):
-                del doubted[key]
-            elif left <= 1:
-                del doubted[key]
-                lru.pop(key, None)
+    def _settle(self) -> None:
+        """One more batch for the settling keys: those awaited again are in flight once more;
+        those out of batches are no longer expected, and go unless the index holds them."""
+        settling, index, awaited = self._settling, self._index, self._awaited
+        for key, left in list(settling.items()):
+            if key in awaited:
+                del settling[key]
+            elif left > 1:
+                settling[key] = left - 1
             else:
-                doubted[key] = left - 1
+                del settling[key]
+                self._expected.pop(key, None)
+                if not index.holds(key):
+                    self._lru.pop(key, None)
 
     def cleared(self) -> None:
         self._lru.clear()
-        self._doubted.clear()
 
     def _trim(self) -> None:
         lru, awaited = self._lru, self._awaited
