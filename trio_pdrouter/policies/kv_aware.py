@@ -119,10 +119,15 @@ class KvDecision:
         return f"{self.blocks}/{self.total_blocks};{'known' if self.known else 'estimate'}"
 
 
-#: A key, its block keys, each candidate's (hit share, blocks credited, known), and on a miss
-#: everywhere judged by the indexes each candidate's home share (:meth:`KvAware._homes`).
+#: A key, its block keys, each candidate's (hit share, blocks credited, known), on a miss
+#: everywhere judged by the indexes each candidate's home share (:meth:`KvAware._homes`), and
+#: whether known engines are judged by their forecasts (:meth:`KvAware._ahead`).
 _Read = tuple[
-    RoutingKey, list[int], dict[Endpoint, tuple[float, int, bool]], dict[Endpoint, float] | None
+    RoutingKey,
+    list[int],
+    dict[Endpoint, tuple[float, int, bool]],
+    dict[Endpoint, float] | None,
+    bool,
 ]
 
 
@@ -161,13 +166,12 @@ class KvAware:
         )
         self._by_tokens = settings.stage_load_metric(stage) == "tokens"
         self.last = KvDecision(0, 0, False, "none")
-        #: The hits :meth:`uncached_tokens` read for a key, which the :meth:`choose` that
-        #: follows it in the same synchronous step uses instead of reading the index again.
+        #: What :meth:`uncached_tokens` read for a key, which the :meth:`choose` that follows it
+        #: in the same synchronous step uses instead of reading the index again (and the
+        #: forecast of the engine chosen is told the same block keys).
         self._read: _Read | None = None
         #: Each engine's forecast (:mod:`..kv_forecast`), from its first decision with an index.
         self._forecasts: dict[Endpoint, Forecast] = {}
-        #: The block keys the last :meth:`_choose` computed, for :meth:`_route`.
-        self._keys: tuple[RoutingKey, list[int]] | None = None
         #: For routing: the last choice's callback for when its request leaves the endpoint
         #: (:class:`~trio_pdrouter.routing.Forecasts`), None if it forecast nothing.
         self.on_release: Callable[[], None] | None = None
@@ -188,8 +192,8 @@ class KvAware:
             else:
                 chosen = self._choose(candidates, loads, key)
             sessions.bind(session, chosen)
-        self._read = None
         self._route(chosen, key)
+        self._read = None
         return chosen
 
     def _route(self, chosen: Endpoint, key: RoutingKey) -> None:
@@ -201,10 +205,10 @@ class KvAware:
         forecast = self._forecast(chosen)
         if forecast is None:
             return
-        kept, self._keys = self._keys, None
+        read = self._read
         keys = (
-            kept[1]
-            if kept is not None and kept[0] is key
+            read[1]
+            if read is not None and read[0] is key
             else block_keys(key.tokens, view.block_size)
         )
         if not keys:
@@ -244,13 +248,11 @@ class KvAware:
         values = [loads.get(c, 0) for c in candidates]
         max_load, min_load = max(values), min(values)
         unbalanced = self.estimate.unbalanced(max_load, min_load)
-        read, self._read = self._read, None
-        homes: dict[Endpoint, float] | None = None
-        if read is not None and read[0] is key:
-            keys, hits, homes = read[1], read[2], read[3]
-        else:
-            keys, hits = block_keys(key.tokens, view.block_size), {}
-        self._keys = (key, keys)
+        read = self._read
+        if read is None or read[0] is not key:
+            keys = block_keys(key.tokens, view.block_size)
+            read = self._read = (key, keys, {}, None, self._ahead(candidates))
+        _key, keys, hits, homes, ahead = read
         total = self._blocks(key, keys)
         if unbalanced:
             chosen = least_loaded(candidates, loads, self._rng)
@@ -259,7 +261,6 @@ class KvAware:
             return chosen
         shares: list[float] = []
         seen: list[tuple[int, bool]] = []
-        ahead = self._ahead(candidates)
         for candidate in candidates:
             found = hits.get(candidate)
             hit, blocks, known = (
@@ -307,7 +308,7 @@ class KvAware:
         homes = None
         if not ahead and key.text and not any(blocks for _hit, blocks, _known in hits.values()):
             homes = shares = self._homes(candidates, key.text)
-        self._read = (key, keys, hits, homes)
+        self._read = (key, keys, hits, homes, ahead)
         cached_per_hit = total * view.block_size
         return {
             candidate: max(key.prompt_tokens - round(share * cached_per_hit), 0)
