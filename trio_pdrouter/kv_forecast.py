@@ -16,10 +16,11 @@ computed every prompt sent to it:
   is computed before the eviction happens, and its store event is no news, so it does not
   bring the key back.
 * :meth:`Forecast.release`: the prompt's prefill ended (answered, failed, cancelled). Its keys
-  no other prompt in flight awaits are *settling* for the engine's next :data:`DOUBT_BATCHES`
-  batches: the answer and the events travel apart, so the store of a prompt just computed may
-  arrive after its answer. Then an expected key is forgotten, and a key the index does not
-  hold is dropped (an engine that refused the prompt never stores it).
+  no other prompt in flight awaits, that are expected or that the index does not hold, are
+  *settling* for the engine's next :data:`DOUBT_BATCHES` batches: the answer and the events
+  travel apart, so the store of a prompt just computed may arrive after its answer. Then an
+  expected key is forgotten, and a key the index does not hold is dropped (an engine that
+  refused the prompt never stores it).
 * :meth:`Forecast.applied` (the index's batches, :class:`~.kv_index.IndexWatcher`): a key the
   engine evicted goes unless a prompt in flight awaits it (that prompt stores it again); a key
   stored that the forecast neither holds nor expects (traffic from elsewhere: another
@@ -80,7 +81,8 @@ class Forecast:
         self._expected: dict[int, None] = {}
         #: Key -> prompts in flight awaiting it.
         self._awaited: dict[int, int] = {}
-        #: Keys of released prompts no prompt awaits any more -> batches left to settle.
+        #: Keys of released prompts no prompt awaits any more, expected or not stored at the
+        #: release -> batches left to settle.
         self._settling: dict[int, int] = {}
         #: Blocks stored that the forecast held or expected, and blocks it did not (traffic
         #: the router did not send), halved past :data:`STORES_SEEN`.
@@ -128,13 +130,14 @@ class Forecast:
 
     def release(self, keys: Sequence[int]) -> None:
         """The prefill of a prompt :meth:`route` was told of has ended."""
-        awaited, settling = self._awaited, self._settling
+        awaited, settling, index = self._awaited, self._settling, self._index
         for key in keys:
             left = awaited.get(key, 0) - 1
             if left > 0:
                 awaited[key] = left
-            else:
-                awaited.pop(key, None)
+                continue
+            awaited.pop(key, None)
+            if key in self._expected or not index.holds(key):  # else stored: nothing to settle
                 settling[key] = DOUBT_BATCHES
 
     def applied(
