@@ -9,6 +9,7 @@ Rules of this module (the layout and the only code that reads or writes it):
       changes  LOG_ENTRIES x ENTRY_BYTES: the runtime server changes, in order (utf-8 text)
       cells    rows x slots x columns int64
       prefixes each worker's recent prefix-tree inserts (:mod:`.prefix_ring` owns the layout)
+      routes   each worker's prompts in flight for the forecasts (:mod:`.route_ring` owns it)
 
   A slot is one endpoint; its columns are :data:`COUNT`, :data:`PENDING` and :data:`TOKENS`
   (what :class:`~trio_pdrouter.load.LoadLedger` keeps per endpoint). Every worker finds an
@@ -36,7 +37,7 @@ import os
 from collections.abc import Iterator
 from multiprocessing import resource_tracker, shared_memory
 
-from . import prefix_ring
+from . import prefix_ring, route_ring
 
 MAGIC = 0x7472696F_6C656467  # "trioledg"
 HEADER_CELLS = 8
@@ -76,6 +77,7 @@ def _size(rows: int, slots: int, columns: int) -> int:
         + LOG_ENTRIES * ENTRY_BYTES
         + 8 * rows * slots * columns
         + prefix_ring.region_size(rows)
+        + route_ring.region_size(rows)
     )
 
 
@@ -102,7 +104,10 @@ class MachineTable:
         cells_end = log_end + 8 * self.rows * self.slots * self.columns
         self._cells = buf[log_end:cells_end].cast("q")
         #: The prefix rings' bytes (:class:`~.prefix_ring.PrefixFeed` reads and writes them).
-        self.prefixes = buf[cells_end : cells_end + prefix_ring.region_size(self.rows)]
+        prefixes_end = cells_end + prefix_ring.region_size(self.rows)
+        self.prefixes = buf[cells_end:prefixes_end]
+        #: The route rings' bytes (:class:`~.route_ring.RouteFeed` reads and writes them).
+        self.routes = buf[prefixes_end : prefixes_end + route_ring.region_size(self.rows)]
         self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         self._depth = 0
         self._slot_of: dict[str, int] = {}
@@ -227,7 +232,7 @@ class MachineTable:
         ]
 
     def close(self) -> None:
-        for view in (self.prefixes, self._cells, self._log, self._keys, self._header):
+        for view in (self.routes, self.prefixes, self._cells, self._log, self._keys, self._header):
             view.release()
         self._shm.close()
         os.close(self._lock_fd)

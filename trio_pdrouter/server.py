@@ -50,6 +50,7 @@ from .prompt_tokens import PromptTokens
 from .proxy import Proxy
 from .rate_limit import TokenBucket
 from .relay import DecodeRelay
+from .route_ring import RouteFeed
 from .routing import Routing
 from .stalls import StallWatch
 from .startup import wait_until_healthy
@@ -147,6 +148,14 @@ def build_app(
         table = ledger.table
         return PrefixFeed(table.prefixes, table.rows, ledger.row, role.value)
 
+    def routes(role: Role) -> RouteFeed | None:
+        """With ``--workers N``: the machine's route rings, so every worker's forecasts see
+        the prompts all workers have in flight."""
+        if not isinstance(ledger, MachineLedger) or config.stage_policy(role) != "kv_aware":
+            return None
+        table = ledger.table
+        return RouteFeed(table.routes, table.rows, ledger.row, role.value)
+
     policies = {
         role: make_policy(
             config.stage_policy(role),
@@ -156,6 +165,7 @@ def build_app(
             rng=rng,
             feed=feed(role),
             kv=kv,
+            routes=routes(role),
         )
         for role in config.servers()
     }

@@ -12,7 +12,7 @@ from ._base import DecisionObserver, Lesson, Policy, PolicySettings, RoutingKey
 from ._labels import utf8 as utf8_size
 from .cache_aware import CacheAware, InsertFeed
 from .consistent_hash import ConsistentHash
-from .kv_aware import KvAware, KvDecision, KvView
+from .kv_aware import KvAware, KvDecision, KvView, RouteShare
 from .power_of_two import PowerOfTwo
 from .radix_tree import RadixTree
 from .random import Random
@@ -36,6 +36,7 @@ __all__ = [
     "RadixTree",
     "Random",
     "RoundRobin",
+    "RouteShare",
     "RoutingKey",
     "make_policy",
     "routing_key",
@@ -62,6 +63,7 @@ def make_policy(
     rng: _random.Random | None = None,
     feed: InsertFeed | None = None,
     kv: KvView | None = None,
+    routes: RouteShare | None = None,
 ) -> Policy:
     """Build the policy called ``name`` for one stage over ``endpoints``.
 
@@ -70,7 +72,8 @@ def make_policy(
     reasons (``cache_aware``, ``kv_aware``); ``kv`` is what ``kv_aware`` reads of the KV
     events (None: it uses its estimate only); ``feed`` shares the prefix-tree inserts of
     ``cache_aware`` (and ``kv_aware``'s estimate) with the machine's other workers
-    (``--workers N``); ``rng`` is the only source of randomness (pass a seeded one for
+    (``--workers N``), ``routes`` its prompts in flight with the other workers' ``kv_aware``
+    forecasts; ``rng`` is the only source of randomness (pass a seeded one for
     reproducible tests).
     """
     rng = rng or _random.Random()
@@ -98,6 +101,7 @@ def make_policy(
             view=kv,
             sessions=sessions,
             feed=feed,
+            routes=routes,
         )
     else:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
