@@ -97,6 +97,12 @@ async def test_text_and_chat_prompts_follow_the_engine_that_holds_them() -> None
         metrics = (await r.client.get(r.router.url + "/metrics")).text
         hits = [line for line in metrics.splitlines() if 'reason="kv_hit"' in line]
         assert hits and float(hits[0].rsplit(" ", 1)[1]) >= 10  # credited from the events
+        # The forecast of the engine that served them: complete (the router sent all it
+        # computed), holding at least the blocks credited.
+        rows = {row["url"]: row for row in await r.index()}
+        forecast = rows[first]["forecast"]["regular"]
+        assert forecast["complete"] and forecast["foreign_share"] == 0.0
+        assert forecast["held"] >= int(matched) and not forecast["learnt"]
 
 
 async def test_a_local_tokenizer_credits_text_and_chat_without_tokenize_calls(

@@ -186,6 +186,31 @@ def test_a_router_that_sends_only_part_of_an_engine_s_traffic_has_a_partial_view
     assert forecast.complete
 
 
+def test_stores_before_the_router_s_first_prompt_is_stored_are_not_counted() -> None:
+    """A router started behind the engine's queue (a previous router's prompts, computed after
+    it stopped) is not partial for those; nor for blocks stored again after a loss."""
+    engine = Engine(capacity=6)
+    forecast = Forecast(engine.index)
+    forecast.route(keys(1))
+    for group in range(30, 40):  # queued before this router's first prompt
+        engine.compute(prompt(group))
+    assert forecast.complete
+    engine.compute(prompt(1))  # its first prompt: counting starts
+    forecast.release(keys(1))
+    for group in range(40, 42):  # 2 prompts from elsewhere against 1 of its own
+        engine.compute(prompt(group))
+    assert not forecast.complete
+    for group in range(2, 40):
+        forecast.route(keys(group))
+        engine.compute(prompt(group))
+        forecast.release(keys(group))
+    assert forecast.complete
+    engine.index.apply([AllBlocksCleared()])  # a loss: counting waits for its next prompt
+    for group in range(50, 60):
+        engine.compute(prompt(group))
+    assert forecast.complete
+
+
 def test_close_stops_watching() -> None:
     engine = Engine(capacity=6)
     forecast = Forecast(engine.index)

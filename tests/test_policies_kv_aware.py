@@ -154,7 +154,12 @@ def test_with_part_of_the_traffic_it_judges_by_the_index_and_sends_a_miss_home()
     router sees alike, and a prompt held nowhere goes where this router sent its prefix last."""
     view = View()
     policy = make(view, load_metric="tokens")
-    policy.uncached_tokens(EPS, KEY)  # the forecasts start
+    for i, ep in enumerate(EPS):  # a prompt of its own stored on each engine: counting starts
+        mine = tuple(range(700 + 10 * i, 708 + 10 * i))
+        sent = RoutingKey(text=f"mine {i}", prompt_tokens=8, tokens=mine)
+        assert policy.choose(EPS, {e: 0 if e == ep else 50 for e in EPS}, sent) == ep
+        stored = BlockStored((801 + 2 * i, 802 + 2 * i), None, mine, BS, "GPU", True)
+        view.indexes[ep.url].apply([stored])
     others = tuple(range(900, 932))
     for ep in EPS:  # every engine stores blocks this router never sent
         view.indexes[ep.url].apply([BlockStored((901, 902), None, others[:8], BS, "GPU", True)])

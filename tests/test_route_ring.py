@@ -192,9 +192,15 @@ def test_each_worker_forecasts_the_prompts_the_others_have_in_flight(
     views = [View(), View()]  # each worker's index, fed the same events
     workers = [worker(views[r], table, r, share=share) for r in range(2)]
     key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
-    # Worker 1's forecasts start (a read of its own, as a request before this one's).
-    start = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
-    assert workers[1].uncached_tokens(EPS, start) == dict.fromkeys(EPS, 32)
+    # Worker 1's forecasts start with a prompt of its own, stored on EPS[1] and answered.
+    mine = tuple(range(700, 708))
+    sent = RoutingKey(text="mine", prompt_tokens=8, tokens=mine)
+    assert workers[1].choose(EPS, {EPS[0]: 3, EPS[1]: 0, EPS[2]: 3}, sent) == EPS[1]
+    release_mine = workers[1].on_release
+    assert release_mine is not None
+    for view in views:
+        view.indexes[EPS[1].url].apply([BlockStored((801, 802), None, mine, BS, "GPU", True)])
+    release_mine()
     assert workers[0].choose(EPS, {EPS[0]: 3, EPS[1]: 0, EPS[2]: 3}, key) == EPS[1]
     release_first = workers[0].on_release
     assert release_first is not None

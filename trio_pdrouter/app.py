@@ -288,6 +288,9 @@ class RouterApp:
 
     async def _kv_index(self, scope: Scope, receive: Receive, send: Send) -> None:
         rows = self.kv_events.snapshot() if self.kv_events is not None else []
+        forecasts = self.routing.forecasts()
+        for row in rows:
+            row["forecast"] = forecasts.get(str(row["endpoint"]), {})
         # The pid says which process answered (with --workers N, each worker has its own view).
         body = {"pid": os.getpid(), "engines": rows}
         await _reply(send, Reply.json(orjson.dumps(body)))

@@ -37,7 +37,10 @@ computed every prompt sent to it:
   Stores of blocks the forecast neither held nor expected come from elsewhere; past
   :data:`FOREIGN_SHARE` of the recent stores, the forecast misses other routers' prompts and
   their evictions, and the policy judges by the index instead. Replayed batches are history,
-  not traffic: they are not counted.
+  not traffic: they are not counted; nor are the stores before the first of a prompt the
+  router sent, or the first after a clear: they are the queue the engine had before (a
+  previous router's prompts, computed after it stopped; measured: a router started behind
+  them found its view partial for its first seconds) or blocks held before a loss.
 
 A forecast only ever holds keys the index holds or a prompt in flight was sent with: it never
 credits a block the engine dropped that nothing will store again. Memory: at most the capacity
@@ -88,6 +91,9 @@ class Forecast:
         #: the router did not send), halved past :data:`STORES_SEEN`.
         self._own_stores = 0
         self._foreign_stores = 0
+        #: Whether stores are counted: from the first batch that stores a block the forecast
+        #: held or expected (see the module doc).
+        self._counting = False
         #: The most GPU blocks the index held after a batch since the engine first evicted (0
         #: before).
         self._most_held = 0
@@ -154,7 +160,8 @@ class Forecast:
             if key not in lru and key not in expected:
                 lru[key] = None
                 foreign += key not in awaited
-        if live:
+        if live and (self._counting or len(stored) > foreign):
+            self._counting = True
             self._count_stores(len(stored) - foreign, foreign)
         self._settle()
         # What the engine stored now comes before what the prompts in flight will touch: past
@@ -176,6 +183,20 @@ class Forecast:
         """Whether the router sends this engine (nearly) all it computes: at most
         :data:`FOREIGN_SHARE` of the blocks it stored lately came from elsewhere."""
         return self._foreign_stores <= FOREIGN_SHARE * (self._own_stores + self._foreign_stores)
+
+    def state(self) -> dict[str, object]:
+        """For ``GET /debug/kv-index``: keys held and the capacity (``learnt`` once the engine
+        was seen evicting), keys awaited by prompts in flight, the share of recent stores from
+        elsewhere and whether that leaves the forecast :attr:`complete`."""
+        stores = self._own_stores + self._foreign_stores
+        return {
+            "held": len(self._lru),
+            "capacity": self.capacity,
+            "learnt": self._most_held > 0,
+            "awaited": len(self._awaited),
+            "foreign_share": round(self._foreign_stores / stores, 3) if stores else 0.0,
+            "complete": self.complete,
+        }
 
     def _count_stores(self, own: int, foreign: int) -> None:
         self._own_stores += own
@@ -201,6 +222,7 @@ class Forecast:
 
     def cleared(self) -> None:
         self._lru.clear()
+        self._counting = False
 
     def _trim(self) -> None:
         lru, awaited = self._lru, self._awaited

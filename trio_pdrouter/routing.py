@@ -28,7 +28,7 @@ from typing import Protocol, runtime_checkable
 from .endpoints import Endpoint, Role
 from .load import Lease, LoadLedger
 from .peers import PeerLoads
-from .policies import KvDecision, Lesson, Policy, RoutingKey
+from .policies import KvAware, KvDecision, Lesson, Policy, RoutingKey
 
 
 class NoHealthyEndpoint(Exception):
@@ -208,6 +208,15 @@ class Routing:
         policies); read right after a lease, in the same synchronous step."""
         last = getattr(self._policies.get(role), "last", None)
         return last.note() if isinstance(last, KvDecision) else None
+
+    def forecasts(self) -> dict[str, dict[str, dict[str, object]]]:
+        """Endpoint key -> stage -> the state of ``kv_aware``'s forecast of that engine."""
+        out: dict[str, dict[str, dict[str, object]]] = {}
+        for role, policy in self._policies.items():
+            if isinstance(policy, KvAware):
+                for key, state in policy.forecast_states().items():
+                    out.setdefault(key, {})[role.value] = state
+        return out
 
     def lessons(self, *roles: Role) -> dict[Role, Lesson]:
         """What the policies of ``roles`` learnt in their last choice, to be taken back if the

@@ -270,6 +270,10 @@ class KvAware:
             forecast = self._forecasts[endpoint] = Forecast(found[0])
         return forecast
 
+    def forecast_states(self) -> dict[str, dict[str, object]]:
+        """Each engine's forecast (:meth:`~..kv_forecast.Forecast.state`), by endpoint key."""
+        return {endpoint.key: f.state() for endpoint, f in self._forecasts.items()}
+
     def _overloaded(self, home: Endpoint, loads: Mapping[Endpoint, int], key: RoutingKey) -> bool:
         return overloaded(
             home,
