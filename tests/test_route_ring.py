@@ -232,3 +232,22 @@ def test_each_worker_forecasts_the_prompts_the_others_have_in_flight(
     assert workers[1].choose(EPS, busy_2, other) != EPS[2]
     # (Without the rings worker 1's view is partial: a miss everywhere goes home.)
     assert workers[1].last.reason == ("miss" if share else "home")
+
+
+def test_a_store_read_before_the_route_it_comes_from_is_not_foreign(table: MachineTable) -> None:
+    """Worker 1 takes in the engine's batch before its next choice would read worker 0's
+    route: the forecast reads the routes first, so the store is worker 0's, not foreign."""
+    views = [View(), View()]
+    workers = [worker(views[r], table, r) for r in range(2)]
+    mine = tuple(range(700, 708))
+    sent = RoutingKey(text="mine", prompt_tokens=8, tokens=mine)
+    assert workers[1].choose(EPS, {EPS[0]: 3, EPS[1]: 0, EPS[2]: 3}, sent) == EPS[1]
+    for view in views:
+        view.indexes[EPS[1].url].apply([BlockStored((801, 802), None, mine, BS, "GPU", True)])
+    key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
+    assert workers[0].choose(EPS, {EPS[0]: 3, EPS[1]: 0, EPS[2]: 3}, key) == EPS[1]
+    for view in views:  # stored before worker 1 chooses again
+        event = BlockStored(tuple(range(1, 9)), None, TOKENS, BS, "GPU", True)
+        view.indexes[EPS[1].url].apply([event])
+    state = workers[1].forecast_states()[EPS[1].key]
+    assert state["foreign_share"] == 0.0 and state["complete"]

@@ -51,7 +51,7 @@ last :data:`DOUBT_BATCHES` batches.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .kv_index import BlockIndex
 from .kv_wire import GPU
@@ -72,11 +72,15 @@ STORES_SEEN = 4096
 class Forecast:
     """One engine's prefix cache once the prompts in flight are computed (see the module doc).
 
-    It watches ``index`` from construction until :meth:`close`.
+    It watches ``index`` from construction until :meth:`close`. ``learn``, if given, is called
+    before each batch of the index is taken in: the prompts other processes sent (``--workers
+    N``, :mod:`.route_ring`) are routed first, so their stores are not taken for traffic from
+    elsewhere.
     """
 
-    def __init__(self, index: BlockIndex) -> None:
+    def __init__(self, index: BlockIndex, *, learn: Callable[[], None] | None = None) -> None:
         self._index = index
+        self._learn = learn
         #: Held keys, least recently touched first.
         self._lru: OrderedDict[int, None] = OrderedDict()
         #: Keys the forecast evicted while a prompt in flight awaited them: their store is
@@ -149,6 +153,8 @@ class Forecast:
     def applied(
         self, stored: Sequence[int], removed: Sequence[int], held: int, *, live: bool
     ) -> None:
+        if self._learn is not None:
+            self._learn()
         lru, expected, awaited = self._lru, self._expected, self._awaited
         for key in removed:
             if key not in awaited:

@@ -176,7 +176,7 @@ class BlockIndex:
         self._stored.clear()
         self._removed.clear()
         size = len(tier.own) if tier is not None else 0
-        for watcher in self._watchers:
+        for watcher in tuple(self._watchers):  # a watcher may start another one
             watcher.applied(stored, removed, size, live=live)
 
     def clear(self) -> None:
@@ -185,7 +185,7 @@ class BlockIndex:
         self._size = 0
         self._stored.clear()
         self._removed.clear()
-        for watcher in self._watchers:
+        for watcher in tuple(self._watchers):
             watcher.cleared()
 
     def _store(self, event: BlockStored, *, watched: bool) -> None:

@@ -5,8 +5,9 @@ what each engine's prefix cache will hold once the prompts sent to it are comput
 its own prompts, a worker's forecast misses the others' and the evictions they cause (measured
 with two workers: the forecasts found half of each engine's stores foreign and fell back to the
 indexes). Here each worker also publishes every prompt it sends to an engine and that prompt's
-release, and before each choice applies the others', so each forecast is the one a single
-router would keep.
+release, and applies the others' before each choice and before a forecast takes in an
+engine's batch (a store read before the route it comes from would look like traffic from
+elsewhere), so each forecast is the one a single router would keep.
 
 Rules of this module (the layout and the only code that reads or writes it):
 

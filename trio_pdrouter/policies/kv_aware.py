@@ -267,7 +267,8 @@ class KvAware:
             found = self._view.index(endpoint.url, endpoint.rank)
             if found is None:
                 return None
-            forecast = self._forecasts[endpoint] = Forecast(found[0])
+            learn = self._learn_routes if self._routes is not None else None
+            forecast = self._forecasts[endpoint] = Forecast(found[0], learn=learn)
         return forecast
 
     def forecast_states(self) -> dict[str, dict[str, object]]:
