@@ -137,6 +137,24 @@ def test_a_store_arriving_after_the_answer_keeps_the_prompt() -> None:
     assert forecast.match(keys(1)) == 3
 
 
+def test_a_replay_applied_meanwhile_does_not_run_down_a_released_prompt_s_doubt() -> None:
+    """At a router's start a long replay is applied while live batches wait: a prompt answered
+    meanwhile keeps its credit through it, and its store, read after, is its own."""
+    engine = Engine(capacity=60)
+    forecast = Forecast(engine.index)
+    forecast.route(keys(1))
+    engine.compute(prompt(1))  # counting starts
+    forecast.release(keys(1))
+    forecast.route(keys(2))
+    forecast.release(keys(2))  # answered; its store waits behind the replay
+    for _ in range(3 * DOUBT_BATCHES):
+        engine.index.apply([], live=False)
+    assert forecast.match(keys(2)) == 3
+    engine.index.apply([BlockStored(tuple(keys(2)), None, prompt(2), BS, "GPU", True)])
+    assert forecast.match(keys(2)) == 3
+    assert forecast.state()["foreign_share"] == 0.0
+
+
 def test_blocks_stored_by_traffic_the_router_did_not_send_come_in() -> None:
     engine, forecast = warmed()
     engine.compute(prompt(7))  # another replica's request

@@ -17,7 +17,10 @@ computed every prompt sent to it:
   bring the key back.
 * :meth:`Forecast.release`: the prompt's prefill ended (answered, failed, cancelled). Its keys
   no other prompt in flight awaits, that are expected or that the index does not hold, are
-  *settling* for the engine's next :data:`DOUBT_BATCHES` batches: the answer and the events
+  *settling* for the engine's next :data:`DOUBT_BATCHES` live batches (a replay's batches
+  are history, applied while the live ones wait, the stores of prompts just computed among
+  them: measured, settling through a long replay at a router's start dropped those prompts,
+  and their stores, read after, came in as traffic from elsewhere): the answer and the events
   travel apart, so the store of a prompt just computed may arrive after its answer. Then an
   expected key is forgotten, and a key the index does not hold is dropped (an engine that
   refused the prompt never stores it).
@@ -169,7 +172,8 @@ class Forecast:
         if live and (self._counting or len(stored) > foreign):
             self._counting = True
             self._count_stores(len(stored) - foreign, foreign)
-        self._settle()
+        if live:  # a replay's batches are history: a prompt released now has its store later
+            self._settle()
         # What the engine stored now comes before what the prompts in flight will touch: past
         # the capacity, the least recent keys no prompt awaits go first.
         need = len(lru) - self.capacity
