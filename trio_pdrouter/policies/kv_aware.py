@@ -23,8 +23,9 @@ Per decision, over the candidates:
     took TTFT p99 from above ``cache_aware``'s to well below it at the same hit rate. With
     ``--workers N`` the workers share their prompts in flight and their releases
     (``routes``: :class:`~trio_pdrouter.route_ring.RouteFeed`), so each worker's forecasts
-    see what one router's would (measured with two workers: TTFT p99 from 1.14x
-    ``cache_aware``'s to 0.90x, hits from 3.7 points fewer to 0.2);
+    see what one router's would (measured with two workers, paired rounds against
+    ``cache_aware``: TTFT p99 1.14x and 3.7 points fewer hits before, 0.87-1.13x over five
+    runs and 0.2-2.8 points fewer after);
   - unless the forecasts are *partial*: a forecast sees only the prompts this router (its
     workers) sent, so where other routers send the engines work too (replicas) and more
     than :data:`~..kv_forecast.FOREIGN_SHARE` of an engine's stored blocks came from
