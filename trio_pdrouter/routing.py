@@ -28,7 +28,7 @@ from typing import Protocol, runtime_checkable
 from .endpoints import Endpoint, Role
 from .load import Lease, LoadLedger
 from .peers import PeerLoads
-from .policies import KvAware, KvDecision, Lesson, Policy, RoutingKey
+from .policies import KvDecision, Lesson, Policy, RoutingKey
 
 
 class NoHealthyEndpoint(Exception):
@@ -63,6 +63,10 @@ class Forecasts(Protocol):
     (the lease slot's release: :mod:`.load`), None if it forecast nothing."""
 
     on_release: Callable[[], None] | None
+
+    def forecast_states(self) -> dict[str, dict[str, object]]:
+        """Each endpoint's forecast, by endpoint key (``GET /debug/kv-index``)."""
+        ...
 
 
 #: Extra admission test per endpoint (health, circuit breaker); True = may take traffic.
@@ -212,10 +216,9 @@ class Routing:
     def forecasts(self) -> dict[str, dict[str, dict[str, object]]]:
         """Endpoint key -> stage -> the state of ``kv_aware``'s forecast of that engine."""
         out: dict[str, dict[str, dict[str, object]]] = {}
-        for role, policy in self._policies.items():
-            if isinstance(policy, KvAware):
-                for key, state in policy.forecast_states().items():
-                    out.setdefault(key, {})[role.value] = state
+        for role, policy in self._forecasters.items():
+            for key, state in policy.forecast_states().items():
+                out.setdefault(key, {})[role.value] = state
         return out
 
     def lessons(self, *roles: Role) -> dict[Role, Lesson]:

@@ -121,6 +121,10 @@ class CacheAware:
                 if ep is not None:
                     self.tree.insert(learnt, ep)
 
+    def endpoint(self, key: str) -> Endpoint | None:
+        """The current endpoint named ``key`` (:attr:`~..endpoints.Endpoint.key`), if any."""
+        return self._endpoints.get(key)
+
     def match(self, text: str, eligible: frozenset[Endpoint] | None) -> tuple[int, Endpoint | None]:
         """The tree's longest match of ``text`` among ``eligible`` (all endpoints if None;
         ``RadixTree.match``), the other workers' inserts applied first."""

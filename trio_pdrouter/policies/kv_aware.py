@@ -190,7 +190,6 @@ class KvAware:
         #: Each engine's forecast (:mod:`..kv_forecast`), from its first decision with an index.
         self._forecasts: dict[Endpoint, Forecast] = {}
         self._routes = routes
-        self._endpoints: dict[str, Endpoint] = {}
         #: For routing: the last choice's callback for when its request leaves the endpoint
         #: (:class:`~trio_pdrouter.routing.Forecasts`), None if it forecast nothing.
         self.on_release: Callable[[], None] | None = None
@@ -250,9 +249,8 @@ class KvAware:
         (``--workers N`` only) to the forecasts."""
         if self._routes is None:
             return
-        endpoints = self._endpoints
         for ep_key, keys, routed in self._routes.news():
-            endpoint = endpoints.get(ep_key)
+            endpoint = self.estimate.endpoint(ep_key)
             forecast = None if endpoint is None else self._forecast(endpoint)
             if forecast is None:
                 continue
@@ -455,7 +453,6 @@ class KvAware:
 
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
         self.estimate.set_endpoints(endpoints)
-        self._endpoints = {endpoint.key: endpoint for endpoint in endpoints}
         for gone in set(self._forecasts) - set(endpoints):
             self._forecasts.pop(gone).close()
         if self._sessions is not None:
