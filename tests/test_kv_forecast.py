@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from trio_pdrouter.kv_forecast import DOUBT_BATCHES, Forecast
 from trio_pdrouter.kv_index import BlockIndex, block_keys
-from trio_pdrouter.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored
+from trio_pdrouter.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 BS = 2
 
@@ -25,8 +25,8 @@ class Engine:
         self.blocks: OrderedDict[int, tuple[int, ...]] = OrderedDict()
         self.index = BlockIndex(BS, {"GPU": 1.0}, budget)
 
-    def compute(self, tokens: tuple[int, ...], *, publish: bool = True) -> None:
-        events: list[BlockStored | BlockRemoved] = []
+    def compute(self, tokens: tuple[int, ...], *, publish: bool = True) -> list[Event]:
+        events: list[Event] = []
         keys = block_keys(tokens, BS)
         parent: int | None = None
         for i, key in enumerate(keys):
@@ -44,6 +44,11 @@ class Engine:
             events.append(BlockRemoved(tuple(evicted), "GPU"))
         if publish:
             self.index.apply(events)
+        return events
+
+    def clear(self) -> list[Event]:
+        self.blocks.clear()
+        return [AllBlocksCleared()]
 
 
 def prompt(group: int, blocks: int = 3) -> tuple[int, ...]:
@@ -155,6 +160,83 @@ def test_a_replay_applied_meanwhile_does_not_run_down_a_released_prompt_s_doubt(
     assert forecast.state()["foreign_share"] == 0.0
 
 
+def start_behind_a_replay(history: list[int | None], sent: list[int]) -> tuple[Engine, Forecast]:
+    """A router starts in front of an engine of 6 blocks that computed ``history`` (groups;
+    None: the engine cleared its cache) before it: while the replay of those batches is applied, the router's prompts ``sent`` are
+    computed, their batches waiting behind the replay; all but the first are answered before
+    the replay is applied (the first after, so the router's counting of stores has begun)."""
+    engine = Engine(capacity=6)
+    forecast = Forecast(engine.index)
+    engine.index.unwatch(forecast)  # the router has read nothing yet
+    replay = [
+        engine.compute(prompt(group), publish=False) if group else engine.clear()
+        for group in history
+    ]
+    engine.index.watch(forecast)
+    live = []
+    for group in sent:
+        forecast.route(keys(group))
+        live.append(engine.compute(prompt(group), publish=False))
+    for group in sent[1:]:
+        forecast.release(keys(group))
+    for batch in replay:
+        engine.index.apply(batch, live=False)
+    for batch in live:
+        engine.index.apply(batch)
+    forecast.release(keys(sent[0]))
+    return engine, forecast
+
+
+def test_a_replay_s_stores_are_history_behind_the_prompts_sent_since() -> None:
+    """The replay's stores are older than anything the router sent: past the capacity they go
+    before the prompts answered during the replay, whose stores, read after, are its own."""
+    engine, forecast = start_behind_a_replay([101, 102, 103, 104], [1, 2])
+    assert forecast.capacity == 6
+    assert forecast.match(keys(1)) == 3 and forecast.match(keys(2)) == 3
+    assert forecast.state()["foreign_share"] == 0.0
+    assert list(forecast._history) + list(forecast._lru) == list(engine.blocks)
+
+
+def test_a_replayed_eviction_of_a_block_sent_since_is_history() -> None:
+    """A block the engine evicted before the router started and stored again for one of its
+    prompts: the replayed removal does not take it from the forecast, and its store is the
+    router's own."""
+    engine, forecast = start_behind_a_replay([1, 101, 102, 103], [104, 1])
+    assert forecast.match(keys(1)) == 3
+    assert forecast.state()["foreign_share"] == 0.0
+    assert list(forecast._history) + list(forecast._lru) == list(engine.blocks)
+    for _ in range(DOUBT_BATCHES):  # stored: it stays once its doubt has run out
+        engine.index.apply([])
+    assert forecast.match(keys(1)) == 3
+
+
+def test_a_replayed_clear_is_history_too() -> None:
+    """The engine emptied its cache before the router started: the replayed clear forgets what
+    it held then, not the prompts sent since."""
+    engine, forecast = start_behind_a_replay([101, 102, None, 103], [104, 1])
+    assert forecast.match(keys(1)) == 3 and forecast.match(keys(104)) == 3
+    assert forecast.state()["foreign_share"] == 0.0
+    assert list(forecast._history) + list(forecast._lru) == list(engine.blocks)
+
+
+def test_a_replayed_eviction_of_a_block_the_engine_never_stored_again_settles() -> None:
+    """...but if the prompt never reached the engine, the block goes once its doubt ran out."""
+    engine = Engine(capacity=6)
+    forecast = Forecast(engine.index)
+    engine.index.unwatch(forecast)
+    replay = [engine.compute(prompt(group), publish=False) for group in (1, 101, 102, 103)]
+    engine.index.watch(forecast)
+    engine.index.apply(replay[0], live=False)  # the index holds it when the prompt ends...
+    forecast.route(keys(1))
+    forecast.release(keys(1))  # ...refused
+    for batch in replay[1:]:
+        engine.index.apply(batch, live=False)
+    for _ in range(DOUBT_BATCHES):
+        assert forecast.match(keys(1)) == 3
+        engine.index.apply([])
+    assert forecast.match(keys(1)) == 0
+
+
 def test_blocks_stored_by_traffic_the_router_did_not_send_come_in() -> None:
     engine, forecast = warmed()
     engine.compute(prompt(7))  # another replica's request
@@ -251,6 +333,13 @@ class ForecastMachine(RuleBasedStateMachine):
         self.queue: list[tuple[int, ...]] = []  # sent, not computed
         self.computed: list[tuple[int, ...]] = []  # computed, not answered
         self.exact = True  # every change so far happened in the order the forecast assumes
+        self.behind: list[list[Event]] | None = None  # batches the router has not read yet
+
+    def publish(self, events: list[Event]) -> None:
+        if self.behind is None:
+            self.engine.index.apply(events)
+        else:
+            self.behind.append(events)
 
     @rule(group=st.integers(1, 6), blocks=st.integers(1, 4))
     def send(self, group: int, blocks: int) -> None:
@@ -262,7 +351,7 @@ class ForecastMachine(RuleBasedStateMachine):
     @rule()
     def compute(self) -> None:
         tokens = self.queue.pop(0)
-        self.engine.compute(tokens)
+        self.publish(self.engine.compute(tokens, publish=False))
         self.computed.append(tokens)
 
     @precondition(lambda self: self.computed)
@@ -278,19 +367,36 @@ class ForecastMachine(RuleBasedStateMachine):
 
     @rule(group=st.integers(1, 6))
     def elsewhere(self, group: int) -> None:
-        self.engine.compute(prompt(group, 2))
+        self.publish(self.engine.compute(prompt(group, 2), publish=False))
         self.exact = False
 
     @rule()
     def clear(self) -> None:
         self.engine.blocks.clear()
-        self.engine.index.apply([AllBlocksCleared()])
+        self.publish([AllBlocksCleared()])
+        self.exact = False
+
+    @precondition(lambda self: self.behind is None)
+    @rule()
+    def fall_behind(self) -> None:
+        """Batches are lost to the router from here until :meth:`replay`."""
+        self.behind = []
+
+    @precondition(lambda self: self.behind is not None)
+    @rule()
+    def replay(self) -> None:
+        assert self.behind is not None
+        for events in self.behind:
+            self.engine.index.apply(events, live=False)
+        self.behind = None
         self.exact = False
 
     @invariant()
     def never_credits_what_nothing_will_store(self) -> None:
+        if self.behind is not None:  # the router cannot know yet
+            return
         awaited = {k for tokens in self.queue + self.computed for k in block_keys(tokens, BS)}
-        held = set(self.forecast._lru)
+        held = set(self.forecast._history) | set(self.forecast._lru)
         settling = set(self.forecast._settling)
         assert held <= set(self.engine.blocks) | awaited | settling
 
@@ -310,7 +416,7 @@ class ForecastMachine(RuleBasedStateMachine):
             return
         if forecast.capacity != 8:  # not learnt yet
             return
-        assert list(forecast._lru) == list(self.engine.blocks)
+        assert list(forecast._history) + list(forecast._lru) == list(self.engine.blocks)
 
 
 ForecastMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40)

@@ -8,7 +8,8 @@ ago, not stored yet, will be there. A :class:`Forecast` is an LRU of the router'
 for one engine (and DP rank), in the order the engine will have touched them once it has
 computed every prompt sent to it:
 
-* It starts from what the index holds, in the order the blocks were stored.
+* It starts from what the index holds, in the order the blocks were stored: *history*, older
+  than anything the router touches after (routes, or live batches store).
 * :meth:`Forecast.route`: a prompt is sent there. Its blocks become the most recent (the engine
   stores or touches every block of a prompt it computes) and are *awaited* until its
   :meth:`Forecast.release`. Past the capacity the least recent go: the eviction the events will
@@ -27,15 +28,24 @@ computed every prompt sent to it:
 * :meth:`Forecast.applied` (the index's batches, :class:`~.kv_index.IndexWatcher`): a key the
   engine evicted goes unless a prompt in flight awaits it (that prompt stores it again); a key
   stored that the forecast neither holds nor expects (traffic from elsewhere: another
-  replica, a client that reaches the engine directly, a replay) comes in as the most recent.
+  replica, a client that reaches the engine directly) comes in as the most recent.
   The engine stored it now, before the prompts in flight will touch theirs:
-  past the capacity, the keys they await are kept over it.
+  past the capacity, the keys they await are kept over it. A replay's batches are history
+  (at a router's start, 10,000 of them are applied while the prompts it sends are answered
+  and their batches wait): a replayed store enters behind every key the router touched, so
+  past the capacity it goes first, and a replayed eviction of a key the router touched since
+  does not remove it but has it settle as a released prompt's key does (else replayed stores
+  push out the prompts answered during the replay, and replayed evictions remove blocks
+  their prompts stored again: read after, those prompts' stores come in as traffic from
+  elsewhere and the view goes partial).
 * The capacity is learnt from the index: the most GPU blocks it held after a batch, once the
   engine has been seen evicting; until then the index's budget. vLLM's evictable pool is the
   GPU's blocks less those of running requests, so this errs on the large side, where the
   forecast keeps more than the engine will, as the index alone would.
 * :meth:`Forecast.cleared`: the index was cleared (a loss, a restart, ``AllBlocksCleared``):
-  every key held goes; awaited keys stay awaited.
+  every key held goes; awaited keys stay awaited. A replayed ``AllBlocksCleared`` is history:
+  it takes the history; the keys the router touched since settle, as after a replayed eviction
+  (in front of an engine whose buffer holds a clear, e.g. a reset before a benchmark's run).
 * :attr:`Forecast.complete`: whether the router sends the engine (nearly) all it computes.
   Stores of blocks the forecast neither held nor expected come from elsewhere; past
   :data:`FOREIGN_SHARE` of the recent stores, the forecast misses other routers' prompts and
@@ -84,7 +94,10 @@ class Forecast:
     def __init__(self, index: BlockIndex, *, learn: Callable[[], None] | None = None) -> None:
         self._index = index
         self._learn = learn
-        #: Held keys, least recently touched first.
+        #: Held keys the engine stored before the router's era (held at construction, or
+        #: replayed), least recent first: all older than those in ``_lru``.
+        self._history: OrderedDict[int, None] = OrderedDict()
+        #: Held keys touched since: routed, or stored by a live batch; least recent first.
         self._lru: OrderedDict[int, None] = OrderedDict()
         #: Keys the forecast evicted while a prompt in flight awaited them: their store is
         #: expected and is no news.
@@ -105,7 +118,7 @@ class Forecast:
         #: before).
         self._most_held = 0
         for key in index.held_keys(GPU):  # what it holds already, in the order stored
-            self._lru[key] = None
+            self._history[key] = None
         index.watch(self)
 
     def close(self) -> None:
@@ -113,7 +126,7 @@ class Forecast:
         self._index.unwatch(self)
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._history) + len(self._lru)
 
     @property
     def capacity(self) -> int:
@@ -122,21 +135,22 @@ class Forecast:
 
     def match(self, keys: Sequence[int]) -> int:
         """How many leading ``keys`` the engine will hold."""
-        lru = self._lru
+        lru, history = self._lru, self._history
         n = 0
         for key in keys:
-            if key not in lru:
+            if key not in lru and key not in history:
                 break
             n += 1
         return n
 
     def route(self, keys: Sequence[int]) -> None:
         """A prompt with these block keys was sent to the engine."""
-        lru, awaited = self._lru, self._awaited
+        lru, history, awaited = self._lru, self._history, self._awaited
         for key in keys:
             if key in lru:
                 lru.move_to_end(key)
             else:
+                history.pop(key, None)
                 lru[key] = None
             awaited[key] = awaited.get(key, 0) + 1
         self._trim()
@@ -158,25 +172,35 @@ class Forecast:
     ) -> None:
         if self._learn is not None:
             self._learn()
-        lru, expected, awaited = self._lru, self._expected, self._awaited
+        lru, history, expected = self._lru, self._history, self._expected
+        awaited, settling = self._awaited, self._settling
         for key in removed:
-            if key not in awaited:
+            if key in awaited:
+                continue
+            if key in history:
+                del history[key]
+            elif live:
                 lru.pop(key, None)
+            elif key in lru:  # a replayed eviction is older than the router's touch of the key
+                settling.setdefault(key, DOUBT_BATCHES)
         if (removed or self._most_held) and held > self._most_held:
             self._most_held = held
         foreign = 0
         for key in stored:
-            if key not in lru and key not in expected:
-                lru[key] = None
-                foreign += key not in awaited
+            if key not in lru and key not in history and key not in expected:
+                if live:
+                    lru[key] = None
+                    foreign += key not in awaited
+                else:
+                    history[key] = None
         if live and (self._counting or len(stored) > foreign):
             self._counting = True
             self._count_stores(len(stored) - foreign, foreign)
         if live:  # a replay's batches are history: a prompt released now has its store later
             self._settle()
         # What the engine stored now comes before what the prompts in flight will touch: past
-        # the capacity, the least recent keys no prompt awaits go first.
-        need = len(lru) - self.capacity
+        # the capacity, history goes first, then the least recent keys no prompt awaits.
+        need = self._drop_history()
         if need > 0:
             victims: list[int] = []
             for key in lru:
@@ -200,7 +224,7 @@ class Forecast:
         elsewhere and whether that leaves the forecast :attr:`complete`."""
         stores = self._own_stores + self._foreign_stores
         return {
-            "held": len(self._lru),
+            "held": len(self),
             "capacity": self.capacity,
             "learnt": self._most_held > 0,
             "awaited": len(self._awaited),
@@ -229,15 +253,32 @@ class Forecast:
                 self._expected.pop(key, None)
                 if not index.holds(key):
                     self._lru.pop(key, None)
+                    self._history.pop(key, None)
 
-    def cleared(self) -> None:
-        self._lru.clear()
-        self._counting = False
+    def cleared(self, *, live: bool) -> None:
+        self._history.clear()
+        if live:
+            self._lru.clear()
+            self._counting = False
+            return
+        # A replayed clear is older than every key the router touched: as a replayed eviction.
+        awaited, settling = self._awaited, self._settling
+        for key in self._lru:
+            if key not in awaited:
+                settling.setdefault(key, DOUBT_BATCHES)
+
+    def _drop_history(self) -> int:
+        """Past the capacity, history goes first; how many keys are still past it."""
+        history = self._history
+        excess = len(history) + len(self._lru) - self.capacity
+        while excess > 0 and history:
+            history.popitem(last=False)
+            excess -= 1
+        return excess
 
     def _trim(self) -> None:
         lru, awaited = self._lru, self._awaited
-        capacity = self.capacity
-        while len(lru) > capacity:
-            key, _ = lru.popitem(last=False)
+        for _ in range(self._drop_history()):
+            key = lru.popitem(last=False)[0]
             if key in awaited:
                 self._expected[key] = None

@@ -48,8 +48,9 @@ class IndexWatcher(Protocol):
         """After a batch: own keys now held that were not, keys no longer held, the GPU tier's
         entry count, and whether the batch is live (else replayed: history)."""
 
-    def cleared(self) -> None:
-        """The index was cleared."""
+    def cleared(self, *, live: bool) -> None:
+        """The index was cleared: by a live ``AllBlocksCleared``, a loss or a restart (``live``),
+        or by a replayed ``AllBlocksCleared`` (history)."""
 
 
 def block_keys(tokens: Sequence[int], block_size: int, parent: int = ROOT_KEY) -> list[int]:
@@ -163,7 +164,7 @@ class BlockIndex:
                             if gone is not None and key is not None and key not in tier.held:
                                 gone.append(key)
             elif isinstance(event, AllBlocksCleared):
-                self.clear()
+                self.clear(live=live)
         if watched:
             self._tell(live)
 
@@ -179,14 +180,15 @@ class BlockIndex:
         for watcher in tuple(self._watchers):  # a watcher may start another one
             watcher.applied(stored, removed, size, live=live)
 
-    def clear(self) -> None:
-        """Forget everything (the engine cleared its cache, restarted, or events were lost)."""
+    def clear(self, *, live: bool = True) -> None:
+        """Forget everything (the engine cleared its cache, restarted, or events were lost);
+        ``live``: now, else a replay's ``AllBlocksCleared`` (the watchers are told which)."""
         self._tiers.clear()
         self._size = 0
         self._stored.clear()
         self._removed.clear()
         for watcher in tuple(self._watchers):
-            watcher.cleared()
+            watcher.cleared(live=live)
 
     def _store(self, event: BlockStored, *, watched: bool) -> None:
         if not event.indexable or event.block_size != self.block_size:
