@@ -372,3 +372,45 @@ def test_a_replay_answered_before_a_restart_and_delivered_after_it_gives_no_fals
     feed.replayed(0, answer, ask=feed.asks)
     assert set(index.held_keys()) == set(block_keys((3, 4), BS))
     assert feed.known and feed.restarts == 1
+
+
+def test_a_replay_passes_over_the_batches_a_clear_in_it_wiped() -> None:
+    """An engine that cleared its cache (a reset) since its buffer began: the replay applies
+    the clear and what follows only, and the index is the engine's. The live copies of the
+    batches passed over, still queued, are no restart; a restarted publisher's batch under one
+    of their seqs (a later timestamp) is."""
+    journal = KvJournal(0, BS, pub=None, buffer=8)
+    for block in range(1, 4):
+        journal.stored([block], None, [block, block])
+        journal.step()
+    journal.cleared()
+    journal.step()
+    journal.stored([9], None, [9, 9])
+    journal.step()
+    copies = [decode_payload(payload, seq) for seq, payload in journal.buffer]
+    index = RecordingIndex(BS, {"GPU": 1.0}, budget=100)
+    applied: list[object] = []
+    original = index.apply
+
+    def counting(events: Iterable[Event], *, live: bool = True) -> None:
+        applied.append(events)
+        original(events, live=live)
+
+    index.apply = counting  # type: ignore[method-assign]
+    feed = Feed(index, can_replay=True)
+    assert feed.probe() == 0
+    assert feed.replayed(0, _replay(journal, 0), ask=feed.asks) is None
+    assert len(applied) == 2  # the clear's batch and the one after it
+    assert feed.known and feed.last_seq == 4
+    assert set(index.held_keys()) == set(block_keys((9, 9), BS))
+    for copy in copies:
+        assert feed.live(copy) is None
+    assert feed.restarts == 0 and feed.known
+    assert set(index.held_keys()) == set(block_keys((9, 9), BS))
+    journal.restart()
+    journal.stored([7], None, [5, 6])
+    journal.step()
+    journal.stored([8], None, [6, 6])
+    journal.step()
+    assert feed.live(decode_payload(journal.buffer[-1][1], 1)) == 0  # seq 1 again: a restart
+    assert feed.restarts == 1

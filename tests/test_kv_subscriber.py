@@ -528,3 +528,37 @@ def test_the_collector_exposes_each_engines_counts() -> None:
     assert 'trio_pdrouter_kv_state_unknown{endpoint="http://e@1"} 1.0' in text
     assert 'trio_pdrouter_kv_index_blocks{endpoint="http://e@1"} 0.0' in text
     assert 'trio_pdrouter_kv_event_gaps_total{endpoint="http://e@1"} 0.0' in text
+
+
+async def test_a_replay_is_applied_from_its_last_clear_on(
+    ctx: zmq.Context[zmq.Socket[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine reset since its buffer began (an operator, a benchmark): the replay's batches
+    before the clear are passed over, not decoded, and the index is the engine's."""
+    engine = Engine(ctx, 0, buffer=1000)
+    for i in range(200):
+        engine.prefill([i] * 8)
+    engine.cache.clear()
+    for prompt in PROMPTS[:2]:
+        engine.prefill(prompt)
+    events = subscriber([engine.source("http://e", None)], ctx, probe_interval_s=60.0)
+    feed = events.feed("http://e", None)
+    assert feed is not None
+    applied: list[int] = []
+    batch = feed.replay_batch
+
+    def spy_batch(b: Batch) -> None:
+        applied.append(b.seq)
+        batch(b)
+
+    monkeypatch.setattr(feed, "replay_batch", spy_batch)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_replay, engine.router, engine.journal)
+        await nursery.start(events.run)
+        await until(lambda: feed.last_seq == 202)
+        assert applied == [200, 201, 202]  # the clear's batch and the two after it
+        assert feed.known and same_blocks(events, "http://e", engine)
+        assert credited(events, "http://e", PROMPTS[1]) == 4
+        engine.prefill(PROMPTS[2])  # then followed live
+        await until(lambda: credited(events, "http://e", PROMPTS[2]) == 4)
+        nursery.cancel_scope.cancel()

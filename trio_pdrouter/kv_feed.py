@@ -37,6 +37,10 @@ The rules:
   case in front of a restarted router). Asking from 0 again would fetch the whole buffer to no
   avail, and skip it all as already seen: until the publisher restarts, probes and gaps ask
   from ``last+1``, which keeps the index's blocks true without re-reading the buffer.
+* A replay's batches before the last one that clears the cache (``AllBlocksCleared``) are
+  passed over, not applied: nothing they did outlasts the clear (a replay of a full buffer
+  costs about a second of CPU; engines reset for a benchmark, or by an operator, hold one).
+  Their late live copies are known by seq and by a timestamp no later than the clear's.
 * Asking for a replay is the caller's job: :meth:`Feed.live` returns the seq to ask from.
 """
 
@@ -47,7 +51,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from .kv_index import BlockIndex
-from .kv_wire import AllBlocksCleared, Batch
+from .kv_wire import Batch
 
 __all__ = ["Feed", "FeedState"]
 
@@ -88,6 +92,9 @@ class Feed:
         #: seq -> timestamp of the batches applied last (at most :data:`RECENT`), to know a
         #: late live copy of a replayed batch from a restarted publisher's batch.
         self._applied: OrderedDict[int, float] = OrderedDict()
+        #: The batches a replay passed over (:meth:`replay_skip`): first and last seq, and the
+        #: timestamp of the batch after them that cleared the cache.
+        self._passed: tuple[int, int, float] | None = None
 
     @property
     def state(self) -> FeedState:
@@ -109,6 +116,9 @@ class Feed:
         self._seen = True
         if self._applied.get(batch.seq) == batch.ts:
             return None  # a late live copy of a batch a replay already applied
+        passed = self._passed
+        if passed is not None and passed[0] <= batch.seq <= passed[1] and batch.ts <= passed[2]:
+            return None  # ...or passed over: older than the clear after it
         if self._replay_from is not None:
             before = self._pending[-1].seq if self._pending else self.last_seq
             if before is not None and batch.seq <= before:
@@ -169,12 +179,17 @@ class Feed:
         """The batches, in order up to the end marker, of replay number ``ask`` (:attr:`asks`
         when it was sent), asked from ``start``; an answer to any other ask is ignored. The live
         batches buffered meanwhile are then taken as :meth:`live` takes them; returns the seq
-        to replay from if that needs another replay. All at once: :meth:`replay_begins`, each
-        batch to :meth:`replay_batch`, :meth:`replay_ends`."""
+        to replay from if that needs another replay. All at once: :meth:`replay_begins`, those
+        before its last clear to :meth:`replay_skip`, the rest to :meth:`replay_batch`,
+        :meth:`replay_ends`."""
         ordered = sorted(batches, key=lambda b: b.seq)
         if not self.replay_begins(start, ordered[0].seq if ordered else None, ask=ask):
             return None
-        for batch in ordered:
+        last_clear = max((i for i, batch in enumerate(ordered) if batch.clears), default=0)
+        if last_clear:
+            cleared = ordered[last_clear]
+            self.replay_skip(ordered[0].seq, cleared.seq - 1, cleared.ts)
+        for batch in ordered[last_clear:]:
             self.replay_batch(batch)
         return self.replay_ends(start, ask=ask)
 
@@ -203,6 +218,15 @@ class Feed:
             self.last_seq = None
             self._exact = True
         return True
+
+    def replay_skip(self, first: int, last: int, ts: float) -> None:
+        """The batches ``first`` to ``last`` of the replay :meth:`replay_begins` opened are
+        passed over: the one after them, stamped ``ts``, clears the engine's cache, so nothing
+        they did outlasts it (module doc). It goes to :meth:`replay_batch` next."""
+        self._seen = True
+        self._passed = (first, last, ts)
+        if self.last_seq is None or last > self.last_seq:
+            self.last_seq = last
 
     def replay_batch(self, batch: Batch) -> None:
         """Apply one batch of the replay :meth:`replay_begins` opened."""
@@ -296,7 +320,7 @@ class Feed:
         applied.move_to_end(batch.seq)
         if len(applied) > RECENT:
             applied.popitem(last=False)
-        if not self._exact and any(isinstance(e, AllBlocksCleared) for e in batch.events):
+        if not self._exact and batch.clears:
             # The engine emptied its cache and every event since is seen: exact again.
             self._exact = True
 

@@ -23,7 +23,8 @@ feeds it. pyzmq runs under trio without threads, with these rules:
   stayed unknown for whole runs, each full replay losing its tail). At most ``max_replay_bytes``
   of payloads are kept, the oldest dropped first: such a replay starts later than asked, which
   the feed takes as history no longer buffered (an index that may miss blocks, never one that
-  shows a block dropped). Once the replay has ended, the frames are decoded and applied
+  shows a block dropped). Once the replay has ended, the frames before its last batch that
+  clears the cache are passed over (the feed's rule), and the rest are decoded and applied
   :data:`_DECODE_SLICE` at a time (a replay's decoded batches are several times its payload
   bytes: they never all live at once), and the feed's live batches wait in the SUB socket until
   the replay is applied: the feed takes no live batch in the middle of a replay. Besides the
@@ -55,6 +56,8 @@ log = logging.getLogger("trio_pdrouter.kv_events")
 _END = -1
 #: An endpoint's prefix that binds the address after it (see the module doc).
 BIND = "bind:"
+#: The name an ``AllBlocksCleared`` event carries in a payload (either layout).
+_CLEARED = b"AllBlocksCleared"
 #: Replayed frames decoded between checkpoints.
 _DECODE_SLICE = 64
 #: Replayed frames received between checkpoints.
@@ -318,10 +321,12 @@ class KvEvents:
         """Decode and apply a replay's frames to ``feed`` a slice at a time (only one slice of
         decoded batches lives at once), its live batches held back meanwhile (module doc)."""
         key = source.engine
-        ordered = deque(_leading_run(sorted(frames, key=lambda frame: frame[0])))
+        run = _leading_run(sorted(frames, key=lambda frame: frame[0]))
         frames.clear()
-        if not feed.replay_begins(start, ordered[0][0] if ordered else None, ask=ask):
+        if not feed.replay_begins(start, run[0][0] if run else None, ask=ask):
             return
+        ordered = deque(run[_pass_over_cleared(feed, run) :])
+        del run
         self._held[key] = held = trio.Event()
         try:
             applied = 0
@@ -406,6 +411,24 @@ class KvEvents:
                 }
             )
         return out
+
+
+def _pass_over_cleared(feed: Feed, run: Sequence[tuple[int, bytes]]) -> int:
+    """Where to start applying a replay's ``run`` of frames: at its last batch that clears the
+    cache, the ones before passed over (:meth:`~.kv_feed.Feed.replay_skip`). Found by the
+    event's name in the payload, confirmed by decoding that frame alone."""
+    for i in range(len(run) - 1, 0, -1):
+        seq, payload = run[i]
+        if _CLEARED not in payload:
+            continue
+        try:
+            batch = decode_payload(payload, seq)
+        except MalformedFrame:
+            return 0  # the loop counts it and fails the replay
+        if batch.clears:
+            feed.replay_skip(run[0][0], seq - 1, batch.ts)
+            return i
+    return 0
 
 
 def _leading_run(frames: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:

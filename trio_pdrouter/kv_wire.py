@@ -172,6 +172,11 @@ class Batch:
     events: tuple[Event, ...]
     rank: int | None
 
+    @property
+    def clears(self) -> bool:
+        """Whether the engine emptied its prefix cache in this batch."""
+        return any(isinstance(e, AllBlocksCleared) for e in self.events)
+
 
 def fold_hash(value: object) -> int:
     """A block hash as vLLM's int mode sends it: uint64, or bytes folded to the last 8."""
