@@ -6,10 +6,14 @@ a :class:`~trio_pdrouter.kv_subscriber.KvEvents` in front of it on 127.0.0.1, an
 payload bytes replayed, the blocks indexed, the process's peak RSS before and after, its RSS
 once the replay is applied, and the CPU time the replay took. Runs in one process: the
 engine's journal and cache are part of the "before" figure.
+
+``--clear-after N``: the engine clears its prefix cache (``AllBlocksCleared``) after its Nth
+prefill, as a reset does; the router applies the replay from that clear on.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import random
 import resource
@@ -38,7 +42,7 @@ def _rss_mb() -> int:
     return int(line.split()[1]) // 1024
 
 
-async def main() -> None:
+async def main(clear_after: int | None) -> None:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     pub_port, replay_port = free_port(), free_port()
     pub = ctx.socket(zmq.PUB)
@@ -48,7 +52,9 @@ async def main() -> None:
     journal = KvJournal(0, BLOCK_SIZE, pub=pub, buffer=BATCHES)
     cache = PrefixCache(20_000, BLOCK_SIZE, journal)
     rng = random.Random(1)
-    for _ in range(BATCHES):
+    for n in range(BATCHES):
+        if n == clear_after:
+            cache.clear()
         tokens = [rng.randrange(30_000) for _ in range(9 * BLOCK_SIZE)]
         cache.insert(block_hashes(tokens, BLOCK_SIZE), tokens)
     payload = sum(len(p) for _seq, p in journal.buffer)
@@ -94,4 +100,8 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    trio.run(main)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--clear-after", type=int, metavar="N", help="the engine clears its cache after N prefills"
+    )
+    trio.run(main, parser.parse_args().clear_after)
