@@ -193,10 +193,11 @@ class Forecast:
                     foreign += key not in awaited
                 else:
                     history[key] = None
-        if live and (self._counting or len(stored) > foreign):
-            self._counting = True
-            self._count_stores(len(stored) - foreign, foreign)
-        if live:  # a replay's batches are history: a prompt released now has its store later
+        if live:  # a replay's batches are history: not traffic, and a prompt released now
+            # has its store later
+            if self._counting or len(stored) > foreign:
+                self._counting = True
+                self._count_stores(len(stored) - foreign, foreign)
             self._settle()
         # What the engine stored now comes before what the prompts in flight will touch: past
         # the capacity, history goes first, then the least recent keys no prompt awaits.

@@ -326,7 +326,7 @@ class KvEvents:
         if not feed.replay_begins(start, run[0][0] if run else None, ask=ask):
             return
         ordered = deque(run[_pass_over_cleared(feed, run) :])
-        del run
+        del run  # the frames passed over go now, not after the replay is applied
         self._held[key] = held = trio.Event()
         try:
             applied = 0
