@@ -18,7 +18,8 @@ BS = 2
 
 class Engine:
     """An LRU prefix cache of ``capacity`` blocks publishing its changes to an index, as the
-    simulator's does: a prompt computed stores or touches every block, then evicts."""
+    simulator's does: a prompt computed stores or touches every block, its first block last
+    (vLLM evicts a request's tail first), then evicts."""
 
     def __init__(self, capacity: int, budget: int = 1000) -> None:
         self.capacity = capacity
@@ -31,12 +32,12 @@ class Engine:
         parent: int | None = None
         for i, key in enumerate(keys):
             block = tokens[i * BS : (i + 1) * BS]
-            if key in self.blocks:
-                self.blocks.move_to_end(key)
-            else:
+            if key not in self.blocks:
                 self.blocks[key] = block
                 events.append(BlockStored((key,), parent, block, BS, "GPU", True))
             parent = key
+        for key in reversed(keys):
+            self.blocks.move_to_end(key)
         evicted = []
         while len(self.blocks) > self.capacity:
             evicted.append(self.blocks.popitem(last=False)[0])
@@ -96,6 +97,18 @@ def test_a_prefix_held_now_is_gone_for_a_request_queued_behind_prompts_that_evic
     assert forecast.match(keys(1)) == 0  # ...but by this request's turn it is gone
     # A prompt sent there is held for those after it, stored or not.
     assert forecast.match(keys(3)) == 3
+
+
+def test_a_prefix_loses_its_end_before_its_start_as_vllm_evicts() -> None:
+    engine, forecast = warmed()
+    engine.compute(prompt(1))
+    engine.compute(prompt(2))  # the engine holds groups 1 and 2, group 1 older
+    forecast.route(keys(3, blocks=1))  # one new block evicts one: group 1's last
+    assert forecast.match(keys(1)) == 2 and forecast.match(keys(2)) == 3
+    engine.compute(prompt(3, blocks=1))
+    forecast.release(keys(3, blocks=1))
+    assert [engine.index.holds(k) for k in keys(1)] == [True, True, False]
+    assert list(forecast._history) + list(forecast._lru) == list(engine.blocks)
 
 
 def test_a_prompt_in_flight_keeps_its_blocks_through_the_engine_evicting_them() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from trio_pdrouter.kv_index import BlockIndex, block_keys
 from trio_pdrouter.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -63,12 +65,48 @@ def test_clear_and_wrong_block_sizes() -> None:
     assert len(index) == 0
 
 
-def test_the_budget_drops_the_oldest_entries_first() -> None:
+def test_the_budget_drops_the_oldest_store_first_its_tail_before_its_start() -> None:
     index = BlockIndex(BS, WEIGHTS, budget=2)
     index.apply([stored([1, 2, 3], None, TOKENS)])
     assert len(index) == 2 and index.evicted == 1
-    assert index.match(KEYS) == (0, 0.0)  # the root went first: no credit past it
-    assert set(index.held_keys()) == set(KEYS[1:])
+    assert index.match(KEYS) == (2, 2.0)  # the tail went first: the start keeps its credit
+    assert list(index.held_keys()) == [KEYS[1], KEYS[0]]  # next to go: the second block
+    other = [100, 101, 102, 103]
+    index.apply([stored([4], None, other)])  # a newer store: the older one goes on first
+    assert index.evicted == 2
+    assert list(index.held_keys()) == [KEYS[0], *block_keys(other, BS)]
+
+
+class Watcher:
+    def __init__(self) -> None:
+        self.stored: list[list[int]] = []
+
+    def applied(
+        self, stored: Sequence[int], removed: Sequence[int], held: int, *, live: bool
+    ) -> None:
+        self.stored.append(list(stored))
+
+    def cleared(self, *, live: bool) -> None:
+        pass
+
+
+def test_a_batch_s_stores_reach_watchers_each_chain_tail_first() -> None:
+    index = BlockIndex(BS, WEIGHTS, budget=100)
+    watcher = Watcher()
+    index.watch(watcher)
+    other = [100 + t for t in range(8)]
+    index.apply(
+        [
+            stored([1], None, TOKENS[:4]),  # one chain, a block per event...
+            stored([2, 3], 1, TOKENS[4:]),  # ...continued
+            stored([7, 8], None, other),  # another chain
+            stored([9], None, TOKENS[:4], medium="CPU"),  # not the GPU tier: not told
+        ]
+    )
+    others = block_keys(other, BS)
+    assert watcher.stored == [[KEYS[2], KEYS[1], KEYS[0], others[1], others[0]]]
+    index.apply([stored([4], 3, [50, 51, 52, 53])])  # extends a chain of an earlier batch
+    assert watcher.stored[-1] == block_keys([50, 51, 52, 53], BS, KEYS[2])
 
 
 def test_a_hundred_thousand_blocks_fit() -> None:

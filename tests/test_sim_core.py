@@ -84,6 +84,14 @@ def test_prefix_cache_lru() -> None:
     assert len(cache) == 3
 
 
+def test_prefix_cache_evicts_a_prompts_tail_before_its_start() -> None:
+    cache = PrefixCache(capacity_blocks=4)
+    cache.insert([1, 2, 3])
+    cache.insert([7, 8])  # one block must go: the first prompt's last, as vLLM frees it first
+    assert cache.match([1, 2, 3]) == 2
+    assert cache.match([7, 8]) == 2
+
+
 def test_block_hashes_chain() -> None:
     a = block_hashes(list(range(40)), 16)
     b = block_hashes(list(range(32)) + [99] * 8, 16)

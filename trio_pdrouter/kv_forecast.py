@@ -11,7 +11,9 @@ computed every prompt sent to it:
 * It starts from what the index holds, in the order the blocks were stored: *history*, older
   than anything the router touches after (routes, or live batches store).
 * :meth:`Forecast.route`: a prompt is sent there. Its blocks become the most recent (the engine
-  stores or touches every block of a prompt it computes) and are *awaited* until its
+  stores or touches every block of a prompt it computes), its first block last (vLLM frees a
+  finished request's blocks in reverse, so the tail is evicted first and a prefix loses its
+  end before its start; the index orders stores alike), and are *awaited* until its
   :meth:`Forecast.release`. Past the capacity the least recent go: the eviction the events will
   report later. A key that goes while a prompt in flight awaits it is *expected*: that prompt
   is computed before the eviction happens, and its store event is no news, so it does not
@@ -117,7 +119,7 @@ class Forecast:
         #: The most GPU blocks the index held after a batch since the engine first evicted (0
         #: before).
         self._most_held = 0
-        for key in index.held_keys(GPU):  # what it holds already, in the order stored
+        for key in index.held_keys(GPU):  # what it holds already, in the order of eviction
             self._history[key] = None
         index.watch(self)
 
@@ -146,7 +148,7 @@ class Forecast:
     def route(self, keys: Sequence[int]) -> None:
         """A prompt with these block keys was sent to the engine."""
         lru, history, awaited = self._lru, self._history, self._awaited
-        for key in keys:
+        for key in reversed(keys):  # its first block last: the engine evicts the tail first
             if key in lru:
                 lru.move_to_end(key)
             else:

@@ -15,8 +15,13 @@ The rules:
 * vLLM does not de-duplicate: one hash may be stored (and later removed) once per physical
   copy. Copies are counted; a block is held until its last copy is removed.
 * Each medium (``GPU``, ``CPU``, ...) is its own tier; a remove names its medium.
-* Memory is bounded: past ``budget`` entries the oldest stored entry goes first, all its
-  copies with it (:attr:`BlockIndex.evicted`). Dropping an entry only loses credit.
+* vLLM frees a finished request's blocks in reverse, so a prefix loses its end before its
+  start (its start is what a match credits). Entries are kept in that order: stores in the
+  order they came, a store's blocks tail first; and the keys a batch stored reach the
+  watchers each chain tail first (a store that extends the batch's previous one, as when
+  each block comes in its own event, continues its chain).
+* Memory is bounded: past ``budget`` entries the first in that order goes, all its copies
+  with it (:attr:`BlockIndex.evicted`). Dropping an entry only loses credit.
 * :meth:`BlockIndex.match` credits the longest run of leading keys held in some tier, each
   block weighted by the best tier holding it; it never credits a block the events removed.
 * Watchers (:meth:`BlockIndex.watch`) are told, after each batch, which own keys came to be held
@@ -63,7 +68,8 @@ def block_keys(tokens: Sequence[int], block_size: int, parent: int = ROOT_KEY) -
 
 
 class _Tier:
-    """The blocks of one medium: engine hash -> own key (insertion = store order), copies."""
+    """The blocks of one medium: engine hash -> own key (in eviction order, see the module
+    doc), copies."""
 
     __slots__ = ("copies", "held", "own")
 
@@ -124,10 +130,13 @@ class BlockIndex:
         #: Entries dropped to keep within the budget.
         self.evicted = 0
         self._watchers: list[IndexWatcher] = []
-        #: Own keys the current batch made held, and stopped holding, in the GPU tier (kept
-        #: only while someone watches).
-        self._stored: list[int] = []
+        #: Own keys the current batch made held in the GPU tier, by chain (a store that extends
+        #: the batch's previous one adds to its run), first block first, and the keys it
+        #: stopped holding there (kept only while someone watches).
+        self._runs: list[list[int]] = []
         self._removed: list[int] = []
+        #: The engine hash the batch's last GPU store ended with.
+        self._chain_end: int | None = None
 
     def watch(self, watcher: IndexWatcher) -> None:
         """Tell ``watcher`` of every change from now on (see the module doc)."""
@@ -172,10 +181,13 @@ class BlockIndex:
         """Tell the watchers the batch's net change in the GPU tier."""
         tier = self._tiers.get(GPU)
         held = tier.held if tier is not None else {}
-        stored = [k for k in dict.fromkeys(self._stored) if k in held]
+        # Each chain tail first: the order the engine will evict them (module doc).
+        ordered = (key for run in self._runs for key in reversed(run))
+        stored = [k for k in dict.fromkeys(ordered) if k in held]
         removed = [k for k in dict.fromkeys(self._removed) if k not in held]
-        self._stored.clear()
+        self._runs.clear()
         self._removed.clear()
+        self._chain_end = None
         size = len(tier.own) if tier is not None else 0
         for watcher in tuple(self._watchers):  # a watcher may start another one
             watcher.applied(stored, removed, size, live=live)
@@ -185,8 +197,9 @@ class BlockIndex:
         ``live``: now, else a replay's ``AllBlocksCleared`` (the watchers are told which)."""
         self._tiers.clear()
         self._size = 0
-        self._stored.clear()
+        self._runs.clear()
         self._removed.clear()
+        self._chain_end = None
         for watcher in tuple(self._watchers):
             watcher.cleared(live=live)
 
@@ -206,10 +219,20 @@ class BlockIndex:
                 return
             parent = found
         keys = block_keys(event.token_ids, self.block_size, parent)
-        new = self._stored if watched and event.medium == GPU else None
-        for engine_hash, key in zip(event.block_hashes, keys, strict=True):
-            if new is not None and key not in tier.held:
-                new.append(key)
+        new: list[int] | None = None
+        if watched and event.medium == GPU:
+            extends = (
+                bool(self._runs)
+                and event.parent_block_hash is not None
+                and event.parent_block_hash == self._chain_end
+            )
+            new = self._runs[-1] if extends else []
+            if not extends:
+                self._runs.append(new)
+            self._chain_end = event.block_hashes[-1] if event.block_hashes else None
+            new.extend(key for key in keys if key not in tier.held)
+        blocks = list(zip(event.block_hashes, keys, strict=True))
+        for engine_hash, key in reversed(blocks):  # tail first: the order of eviction
             if tier.store(engine_hash, key):
                 self._size += 1
         while self._size > self.budget:
@@ -255,7 +278,8 @@ class BlockIndex:
         return blocks, credit
 
     def held_keys(self, medium: str = "GPU") -> dict[int, int]:
-        """Own key -> copies held in ``medium`` (for tests and the idle check)."""
+        """Own key -> copies held in ``medium``, in the order the engine will evict them (see
+        the module doc)."""
         tier = self._tiers.get(medium)
         if tier is None:
             return {}

@@ -30,8 +30,11 @@ class PrefixCache:
 
     A prompt's blocks are hashed as a chain (each hash covers the whole prefix up to that
     block, as vLLM does), so a hit on block ``n`` implies the whole prefix matched. Only full
-    blocks are cached. With a ``journal`` every change is also published as KV events (one
-    batch per :meth:`insert` or :meth:`clear`, see :mod:`.kv_events`).
+    blocks are cached. A prompt computed makes its blocks the most recent tail first, its first
+    block last: vLLM frees a finished request's blocks in reverse order so that the tail is
+    evicted first, and a prefix loses its end before its start. With a ``journal`` every change
+    is also published as KV events (one batch per :meth:`insert` or :meth:`clear`, see
+    :mod:`.kv_events`).
     """
 
     def __init__(
@@ -49,33 +52,37 @@ class PrefixCache:
         return block in self._blocks
 
     def match(self, hashes: Sequence[int]) -> int:
-        """Number of leading ``hashes`` present; those blocks become most recently used."""
+        """Number of leading ``hashes`` present; those blocks become most recently used (the
+        first last, as :meth:`insert` orders them)."""
         hits = 0
         for h in hashes:
             if h not in self._blocks:
                 break
-            self._blocks.move_to_end(h)
             hits += 1
+        for h in reversed(hashes[:hits]):
+            self._blocks.move_to_end(h)
         return hits
 
     def insert(self, hashes: Sequence[int], ids: Sequence[int] = ()) -> None:
-        """Remember ``hashes`` (the blocks of token ``ids``) as most recently used, evicting
-        the least recently used."""
+        """Remember ``hashes`` (the blocks of token ``ids``) as most recently used, the first
+        last (see the class doc), evicting the least recently used."""
         journal = self.journal
+        blocks = self._blocks
         run: list[int] = []
         for i, h in enumerate(hashes):
-            if journal is not None and h not in self._blocks:
+            if journal is not None and h not in blocks:
                 run.append(i)
             elif run and journal is not None:
                 self._publish_run(hashes, ids, run)
                 run = []
-            self._blocks[h] = None
-            self._blocks.move_to_end(h)
+            blocks[h] = None
         if run and journal is not None:
             self._publish_run(hashes, ids, run)
+        for h in reversed(hashes):
+            blocks.move_to_end(h)
         evicted: list[int] = []
-        while len(self._blocks) > self.capacity:
-            evicted.append(self._blocks.popitem(last=False)[0])
+        while len(blocks) > self.capacity:
+            evicted.append(blocks.popitem(last=False)[0])
         if journal is not None:
             if evicted:
                 journal.removed(evicted)
