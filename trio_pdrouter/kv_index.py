@@ -219,24 +219,23 @@ class BlockIndex:
                 return
             parent = found
         keys = block_keys(event.token_ids, self.block_size, parent)
-        new: list[int] | None = None
         if watched and event.medium == GPU:
-            extends = (
-                bool(self._runs)
-                and event.parent_block_hash is not None
-                and event.parent_block_hash == self._chain_end
-            )
-            new = self._runs[-1] if extends else []
-            if not extends:
-                self._runs.append(new)
-            self._chain_end = event.block_hashes[-1] if event.block_hashes else None
-            new.extend(key for key in keys if key not in tier.held)
+            self._note_stored(event, [key for key in keys if key not in tier.held])
         blocks = list(zip(event.block_hashes, keys, strict=True))
         for engine_hash, key in reversed(blocks):  # tail first: the order of eviction
             if tier.store(engine_hash, key):
                 self._size += 1
         while self._size > self.budget:
             self._evict_oldest()
+
+    def _note_stored(self, event: BlockStored, new: list[int]) -> None:
+        """Keep the GPU keys a store made held for the watchers, in the run of its chain."""
+        parent = event.parent_block_hash
+        if self._runs and parent is not None and parent == self._chain_end:
+            self._runs[-1].extend(new)
+        else:
+            self._runs.append(new)
+        self._chain_end = event.block_hashes[-1] if event.block_hashes else None
 
     def _parent_key(self, engine_hash: int, tier: _Tier) -> int | None:
         key = tier.own.get(engine_hash)
