@@ -8,7 +8,7 @@ ago, not stored yet, will be there. A :class:`Forecast` is an LRU of the router'
 for one engine (and DP rank), in the order the engine will have touched them once it has
 computed every prompt sent to it:
 
-* It starts from what the index holds, in the order the blocks were stored: *history*, older
+* It starts from what the index holds, in the order the engine will evict it: *history*, older
   than anything the router touches after (routes, or live batches store).
 * :meth:`Forecast.route`: a prompt is sent there. Its blocks become the most recent (the engine
   stores or touches every block of a prompt it computes), its first block last (vLLM frees a
