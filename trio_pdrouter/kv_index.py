@@ -221,8 +221,8 @@ class BlockIndex:
         keys = block_keys(event.token_ids, self.block_size, parent)
         if watched and event.medium == GPU:
             self._note_stored(event, [key for key in keys if key not in tier.held])
-        blocks = list(zip(event.block_hashes, keys, strict=True))
-        for engine_hash, key in reversed(blocks):  # tail first: the order of eviction
+        # Tail first: the order of eviction.
+        for engine_hash, key in zip(reversed(event.block_hashes), reversed(keys), strict=True):
             if tier.store(engine_hash, key):
                 self._size += 1
         while self._size > self.budget:
