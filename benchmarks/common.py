@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -28,6 +29,22 @@ def chosen_configs(configs: Sequence[Config], env: str, vllm_router: bool) -> li
         for c in configs
         if (c[1] == "ours" or vllm_router) and (not parts or any(x in c[0] for x in parts))
     ]
+
+
+#: A scenario's result file: ``<date>-<scenario>.json``.
+_RESULT_NAME = re.compile(r"\d{4}-\d{2}-\d{2}-(?P<scenario>.+)\.json")
+
+
+def scenario_results(directory: Path, scenario: str) -> list[Path]:
+    """``scenario``'s result files in ``directory``, oldest first. A run kept under a longer
+    name (``<date>-kv_aware-rounds-rel-1.5-workers.json``) is not one of them, whatever its
+    name ends with."""
+    found = []
+    for path in directory.glob("*.json"):
+        named = _RESULT_NAME.fullmatch(path.name)
+        if named is not None and named["scenario"] == scenario:
+            found.append(path)
+    return sorted(found)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -16,6 +16,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import orjson
 
+from .common import scenario_results
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 REPORT = HERE / "report.md"
@@ -36,7 +38,7 @@ SCENARIOS = (
 
 def latest(scenario: str) -> tuple[Path, dict[str, Any]] | None:
     """The newest ``results/<date>-<scenario>.json`` and its contents."""
-    files = sorted(RESULTS.glob(f"*-{scenario}.json"))
+    files = scenario_results(RESULTS, scenario)
     if not files:
         return None
     return files[-1], orjson.loads(files[-1].read_bytes())

@@ -1,0 +1,27 @@
+"""Which saved result files ``benchmarks/report.py`` reads as a scenario's: only
+``<date>-<scenario>.json``, never a run kept under a longer name that ends the same way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.common import scenario_results
+
+
+def test_a_scenarios_results_are_its_dated_files_oldest_first(tmp_path: Path) -> None:
+    names = [
+        "2026-12-07-workers.json",
+        "2026-12-01-workers.json",
+        "2026-12-08-kv_aware-rounds-rel-1.5-workers.json",
+        "2026-12-09-kv_aware.json",
+        "notes-workers.json",
+        "2026-12-10-workers.json.tmp",
+    ]
+    for name in names:
+        (tmp_path / name).write_bytes(b"{}")
+    assert [p.name for p in scenario_results(tmp_path, "workers")] == [
+        "2026-12-01-workers.json",
+        "2026-12-07-workers.json",
+    ]
+    assert [p.name for p in scenario_results(tmp_path, "kv_aware")] == ["2026-12-09-kv_aware.json"]
+    assert scenario_results(tmp_path, "caps") == []
