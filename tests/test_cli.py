@@ -38,11 +38,7 @@ def test_vllm_router_defaults() -> None:
     config = parse_config(["--worker-urls", "http://127.0.0.1:8000"])
     assert config.policy == "cache_aware"
     s = config.policy_settings
-    assert (s.cache_threshold, s.balance_abs_threshold, s.rel_threshold("cache_aware")) == (
-        0.3,
-        64,
-        1.5,
-    )
+    assert (s.cache_threshold, s.balance_abs_threshold, s.balance_rel_threshold) == (0.3, 64, 1.5)
     assert (s.eviction_interval_secs, s.max_tree_size) == (120, 2**25)
     assert config.max_payload_size == 512 * 1024 * 1024
     assert config.timeouts.request == 1800
@@ -90,8 +86,7 @@ def test_bad_settings_fail_with_a_clear_message(
 def test_help_gives_each_default_except_not_given() -> None:
     text = " ".join(build_parser().format_help().split())
     assert "--balance-abs-threshold" in text and "(default: 64)" in text
-    # A default that depends on the policy is stated in the help, never contradicted by None.
-    assert "1.2 for kv_aware (measured: README)" in text
+    assert "see --balance-abs-threshold (default: 1.5)" in text
     assert "(default: None)" not in text
 
 

@@ -93,25 +93,23 @@ def test_with_token_loads_a_hit_wins_until_the_loads_are_unbalanced() -> None:
     assert wide.choose(EPS, {EPS[0]: 100 + 32, EPS[1]: 192 + 8, EPS[2]: 100 + 32}, key) == EPS[1]
 
 
-def test_by_default_it_balances_from_1_2_times_the_least_load_where_cache_aware_waits_for_1_5() -> (
-    None
-):
+def test_by_default_it_balances_from_1_5_times_the_least_load_as_cache_aware_does() -> None:
     view = View()
     view.store(EPS[1], 6)
     key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
-    # No --balance-rel-threshold given: kv_aware's own 1.2.
-    policy = make(view, load_metric="tokens", balance_rel_threshold=None)
-    below = {EPS[0]: 100 + 32, EPS[1]: 150 + 8, EPS[2]: 100 + 32}  # 158 against 132: 1.197x
+    default = PolicySettings().balance_rel_threshold
+    assert default == 1.5  # vllm-router's
+    policy = make(view, load_metric="tokens", balance_rel_threshold=default)
+    below = {EPS[0]: 100 + 32, EPS[1]: 190 + 8, EPS[2]: 100 + 32}  # 198 against 132: 1.5x
     assert policy.choose(EPS, below, key) == EPS[1]
     assert policy.last.reason == "kv_hit"
-    over = {EPS[0]: 100 + 32, EPS[1]: 151 + 8, EPS[2]: 100 + 32}  # 159 against 132: 1.205x
+    over = {EPS[0]: 100 + 32, EPS[1]: 191 + 8, EPS[2]: 100 + 32}  # 199 against 132: 1.508x
     assert policy.choose(EPS, over, key) != EPS[1]
     assert policy.last.reason == "unbalanced"
-    # Given, the flag holds for kv_aware as for cache_aware.
-    given = make(view, load_metric="tokens", balance_rel_threshold=1.5)
-    assert given.choose(EPS, over, key) == EPS[1]
-    settings = PolicySettings()
-    assert (settings.rel_threshold("cache_aware"), settings.rel_threshold("kv_aware")) == (1.5, 1.2)
+    # The flag given holds for kv_aware as for cache_aware.
+    tight = make(view, load_metric="tokens", balance_rel_threshold=1.2)
+    assert tight.choose(EPS, below, key) != EPS[1]
+    assert tight.last.reason == "unbalanced"
 
 
 def test_between_balanced_loads_the_larger_hit_wins_and_load_decides_between_equal_ones() -> None:

@@ -42,11 +42,6 @@ class RoutingKey:
     partial_tokens: bool = False
 
 
-#: ``--balance-rel-threshold`` by policy when the flag is not given: vllm-router's default for
-#: ``cache_aware``, a tighter one for ``kv_aware`` (measured: :mod:`.kv_aware`, README).
-REL_THRESHOLD = {"cache_aware": 1.5, "kv_aware": 1.2}
-
-
 def _kv_penalty(spelling: str, tier: str) -> Flag:
     return Flag(
         spelling,
@@ -85,13 +80,12 @@ class PolicySettings:
             type=int,
         ),
     )
-    balance_rel_threshold: float | None = setting(
-        None,
+    balance_rel_threshold: float = setting(
+        1.5,
         Flag(
             "--balance-rel-threshold",
             Group.ROUTING_POLICY,
-            "cache_aware and kv_aware: see --balance-abs-threshold. Default: 1.5 (vllm-router's),"
-            " 1.2 for kv_aware (measured: README)",
+            "cache_aware and kv_aware: see --balance-abs-threshold",
             type=float,
         ),
     )
@@ -189,13 +183,6 @@ class PolicySettings:
         check=must(lambda t: 1 <= t <= 31_536_000, "must be between 1 and 31536000"),
     )
     virtual_nodes: int = 160
-
-    def rel_threshold(self, policy: str) -> float:
-        """``--balance-rel-threshold`` for ``policy``: as given, else :data:`REL_THRESHOLD`'s
-        (``kv_aware`` balances sooner than ``cache_aware``; see :mod:`.kv_aware`)."""
-        if self.balance_rel_threshold is not None:
-            return self.balance_rel_threshold
-        return REL_THRESHOLD.get(policy, REL_THRESHOLD["cache_aware"])
 
     def stage_load_metric(self, stage: str) -> str:
         """The load metric of ``stage`` ("prefill", "decode" or "regular"): its own flag, else

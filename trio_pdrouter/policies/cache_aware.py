@@ -86,14 +86,8 @@ class CacheAware:
         stage: str,
         on_decision: DecisionObserver,
         feed: InsertFeed | None = None,
-        rel_threshold: float | None = None,
     ) -> None:
         self._settings = settings
-        #: ``--balance-rel-threshold`` as resolved for the policy deciding (``kv_aware`` passes
-        #: its own for the estimate it consults).
-        self._rel_threshold = (
-            settings.rel_threshold(self.name) if rel_threshold is None else rel_threshold
-        )
         self._rng = rng
         self._stage = stage
         self.tree: RadixTree[Endpoint] = RadixTree()
@@ -160,7 +154,8 @@ class CacheAware:
     def unbalanced(self, max_load: int, min_load: int) -> bool:
         """The balance test of the module doc, on the stage's load metric."""
         return (
-            max_load - min_load > self._abs_threshold and max_load > min_load * self._rel_threshold
+            max_load - min_load > self._abs_threshold
+            and max_load > min_load * self._settings.balance_rel_threshold
         )
 
     def choose(

@@ -3,8 +3,8 @@
 Per decision, over the candidates:
 
 * unbalanced loads (``cache_aware``'s test on ``--balance-abs-threshold``, or
-  ``--balance-token-threshold`` with token loads, and ``--balance-rel-threshold``, 1.2 unless
-  given where ``cache_aware``'s is 1.5): the least-loaded candidate, as ``cache_aware`` does;
+  ``--balance-token-threshold`` with token loads, and ``--balance-rel-threshold``): the
+  least-loaded candidate, as ``cache_aware`` does;
 * no token ids for the request (``/tokenize`` failed or was not needed): ``cache_aware``'s
   decision over its estimated tree;
 * otherwise each candidate's *hit* is the share of the prompt's full blocks it will hold as a
@@ -61,11 +61,13 @@ Measured under cache pressure in interleaved rounds, each paired with ``cache_aw
 default until 2026-12-05), ``kv_aware`` never found the loads unbalanced; its TTFT p99 ratio and
 this rule's were alike (medians 1.15 and 1.16 with one router, 28 and 18 pairs), this rule 0.4
 points closer in hits; counting tokens against a threshold of six prompts without the home's
-credit gave 0.91 but 5 points fewer hits. The relative threshold is tighter than
-``cache_aware``'s: with 1.2 against 1.5, in 16 rounds of two runs (2026-12-06), TTFT p99 came
-lower than with 1.5 in 14 of 16 pairs with one router (median ratio 0.86, hits +1.1 points) and
-13 of 16 with ``--workers 2`` (0.91, hits -1.0); 1.0 (always the least loaded, loads with this
-request's uncached tokens) gave 3-4 points of hits away.
+credit gave 0.91 but 5 points fewer hits. The relative threshold is ``cache_aware``'s (1.5
+unless given). A tighter 1.2 was the default from 2026-12-06, chosen on a simulator that
+evicted a prefix's start first; on one that evicts a computed prompt's tail first, as vLLM
+does, 1.5 held 0.4-1.5 points more hits than 1.2 in every setup of two runs of 8 paired rounds
+(2026-12-07), its TTFT p99 0.64-0.81x of ``cache_aware``'s where 1.2 reached 1.26x with
+``--workers 2`` (README); 1.0 (always the least loaded, loads with this request's uncached
+tokens) gave 3-4 points of hits away.
 
 With ``--router-temperature`` 0 the best score wins (ties at random); above 0 the choice is
 drawn with probabilities softmax(score / temperature).
@@ -170,16 +172,12 @@ class KvAware:
         self._on_decision = on_decision
         self._view = view
         self._sessions = sessions
-        #: ``--balance-rel-threshold`` as resolved for this policy, for the balance test (the
-        #: estimate's) and the session's overload test alike.
-        self._rel_threshold = settings.rel_threshold(self.name)
         self.estimate = CacheAware(
             settings,
             rng,
             stage=stage,
             on_decision=lambda _s, _r: None,
             feed=feed,
-            rel_threshold=self._rel_threshold,
         )
         self._by_tokens = settings.stage_load_metric(stage) == "tokens"
         self.last = KvDecision(0, 0, False, "none")
@@ -281,7 +279,7 @@ class KvAware:
             by_tokens=self._by_tokens,
             prompt_tokens=key.prompt_tokens,
             abs_threshold=self._settings.balance_abs_threshold,
-            rel_threshold=self._rel_threshold,
+            rel_threshold=self._settings.balance_rel_threshold,
         )
 
     def _choose(
