@@ -25,25 +25,31 @@ Last (first in the run, on simulators of their own), the tokenizer rows: ``kv_aw
 engine's ``/tokenize`` per request against tokenizing in the router (``--kv-tokenizer-path``),
 with 64 clients and with one (see :func:`_tokenizer_rows`).
 
-``python -m benchmarks --only kv_aware`` (``BENCH_KV_PARTS=main`` or ``tokenizer``: one part only;
-``BENCH_KV_REPEATS=N``: the rows of each part N times, interleaved; the main rows default to
-the profile's repeats, the tokenizer rows to one; ``BENCH_KV_SECONDS``: each row's load, in
-place of the profile's)
+``python -m benchmarks --only kv_aware`` (``BENCH_KV_PARTS``: some of ``main``, ``tokenizer`` and
+``rounds``, all three by default; ``BENCH_KV_REPEATS=N``: the rows of each part N times,
+interleaved; the main rows default to the profile's repeats, the tokenizer rows to one;
+``BENCH_KV_SECONDS``: each row's load, in place of the profile's)
 
-``BENCH_KV_PARTS=rounds`` (not run by default): :data:`ROUND_VARIANTS` on the main scenario's
-simulators, one router, in ``BENCH_KV_ROUNDS`` rounds (6) for each of ``BENCH_KV_WORKERS``
-(``1,2``: one process, then ``--workers 2``; ``r2``: two replicas of one process behind the
-clients split in half), the variants' order rotated from round to round.
+The ``rounds`` part (after ``main``, so that the restart row still finds the engines' history
+from seq 0): ``cache_aware`` and ``kv_aware`` (other variants: below) on the main
+scenario's simulators in ``BENCH_KV_ROUNDS`` rounds (the profile's: 4 quick, 8 full) for each
+of ``BENCH_KV_WORKERS`` (``1,2,r2`` by default: one process, ``--workers 2``, two replicas of
+one process behind the clients split in half), the variants' order rotated from round to
+round.
 What one row says is within what identical configurations differ by on a shared 2-core host
 (README), so each ``kv_aware`` variant is judged by its pairs with the ``cache_aware`` row of
 the same round: the median TTFT p99 ratio, how many pairs came in under 1, the sign test's
 two-sided p-value, the median hit-rate difference, and the p99 of all the paired rounds'
 requests pooled, its ratio and that ratio's 90 % interval over resampled rounds
-(:func:`_pairs`). ``BENCH_KV_VARIANTS`` picks some of them by index (the reference first);
+(:func:`_pairs`). ``BENCH_KV_VARIANTS`` picks variants of :data:`ROUND_VARIANTS` by index (the
+reference first; ``0,1`` by default);
 ``BENCH_KV_CHECKOUT=DIR`` adds a ``kv_aware`` variant run from another checkout (a candidate
 change) with the flags in ``BENCH_KV_CHECKOUT_FLAGS``, one variant per ``;``-separated set.
 ``BENCH_KV_TOKENIZER=1`` runs the rounds on the tokenizer rows' simulators (a real BPE
 tokenizer, :func:`_bpe_sims`) with one more variant, ``kv_aware`` tokenizing with it (index 3).
+
+``benchmarks/report.md`` judges the issue's goals on the run: from its paired rounds where it
+has them, else from its main rows (:mod:`.kv_goals`).
 """
 
 from __future__ import annotations
@@ -65,7 +71,11 @@ from .common import Context, median, percentile
 from .loadgen import prompt_text
 from .procs import ROOT, LoadRun, ProcessSet, Service, start_router, start_sim
 
-PROFILES = {"quick": {"seconds": 12, "repeats": 1}, "full": {"seconds": 40, "repeats": 2}}
+PROFILES = {
+    "quick": {"seconds": 12, "repeats": 1, "rounds": 4},
+    "full": {"seconds": 40, "repeats": 2, "rounds": 8},
+}
+PARTS = "main,tokenizer,rounds"
 CLIENTS = 64
 BLOCK = 16
 LOAD = [
@@ -95,8 +105,8 @@ def estimate(profile: str) -> float:
     p = PROFILES[profile]
     seconds = _seconds(profile)
     total = float(p["repeats"] * 8 * (seconds + 8) + 60)
-    if "rounds" in os.environ.get("BENCH_KV_PARTS", ""):
-        rounds, setups = _round_plan()
+    if "rounds" in os.environ.get("BENCH_KV_PARTS", PARTS):
+        rounds, setups = _round_plan(profile)
         tokenizer = Path("model") if os.environ.get("BENCH_KV_TOKENIZER") else None
         total += rounds * len(setups) * len(_round_variants(tokenizer)) * (seconds + 5)
     return total
@@ -106,13 +116,13 @@ def _seconds(profile: str) -> int:
     return int(os.environ.get("BENCH_KV_SECONDS", PROFILES[profile]["seconds"]))
 
 
-def _round_plan() -> tuple[int, list[tuple[int, int]]]:
+def _round_plan(profile: str) -> tuple[int, list[tuple[int, int]]]:
     """The ``rounds`` part's round count and setups, (replicas, workers) each (module doc)."""
     setups = [
         (int(w[1:]), 1) if w.startswith("r") else (1, int(w))
-        for w in os.environ.get("BENCH_KV_WORKERS", "1,2").split(",")
+        for w in os.environ.get("BENCH_KV_WORKERS", "1,2,r2").split(",")
     ]
-    return int(os.environ.get("BENCH_KV_ROUNDS", "6")), setups
+    return int(os.environ.get("BENCH_KV_ROUNDS", PROFILES[profile]["rounds"])), setups
 
 
 def _prefill_flags(cache_blocks: int = 190, per_token_s: float = 0.0001) -> list[str]:
@@ -378,7 +388,7 @@ def _round_variants(model: Path | None = None) -> list[tuple[str, str, list[str]
     known = list(ROUND_VARIANTS)
     if model is not None:
         known.append(("kv_aware, local tokenizer", "kv_aware", ["--kv-tokenizer-path", str(model)]))
-    chosen = os.environ.get("BENCH_KV_VARIANTS", ",".join(map(str, range(len(known)))))
+    chosen = os.environ.get("BENCH_KV_VARIANTS", "0,1")
     variants = [(*known[int(i)], ROOT) for i in chosen.split(",")]
     other = os.environ.get("BENCH_KV_CHECKOUT")
     if other:
@@ -401,7 +411,7 @@ def _rounds(
     variants = _round_variants(model)
     rows = []
     samples: dict[tuple[int, int, str, int], list[float]] = {}
-    rounds, plan = _round_plan()
+    rounds, plan = _round_plan(ctx.profile)
     for rnd in range(rounds):
         for replicas, workers in plan:
             turn = rnd % len(variants)
@@ -499,7 +509,7 @@ def _sign_test(successes: int, n: int) -> float:
 
 def run(ctx: Context) -> dict[str, Any]:
     p = PROFILES[ctx.profile]
-    parts = os.environ.get("BENCH_KV_PARTS", "main,tokenizer").split(",")
+    parts = os.environ.get("BENCH_KV_PARTS", PARTS).split(",")
     procs = ProcessSet(ctx.log_dir / "kv_aware")
     client = httpx.Client(timeout=10.0)
     result: dict[str, Any] = {"scenario": "kv_aware", "profile": ctx.profile, "notes": []}
@@ -526,27 +536,26 @@ def run(ctx: Context) -> dict[str, Any]:
             procs, "sim-decode", "--role", "decode", "--fast", "--itl-base-s", "0.02"
         )
         sims = (prefill, decode)
+        if "main" in parts:
+            # First, while the engines' replay buffers still reach back to seq 0.
+            ctx.progress.phase("restart in front of warm engines")
+            result["restart"] = [
+                _restart(procs, client, sims, pol) for pol in ("cache_aware", "kv_aware")
+            ]
+            ctx.progress.phase("idle: index against the simulators")
+            result["idle"] = _idle_check(procs, client, sims)
+            rows = []
+            for rep in range(int(os.environ.get("BENCH_KV_REPEATS", p["repeats"]))):
+                for kind, policy in configs:
+                    for replicas in (1, 2):
+                        ctx.progress.phase(f"{kind} {policy} x{replicas} (run {rep + 1})")
+                        rows.append(_one(ctx, procs, client, sims, kind, policy, replicas))
+                    if kind == "ours":
+                        ctx.progress.phase(f"{kind} {policy} --workers 2 (run {rep + 1})")
+                        rows.append(_one(ctx, procs, client, sims, kind, policy, 1, workers=2))
+            result["configs"] = rows
         if "rounds" in parts:
             result["rounds"] = _rounds(ctx, procs, client, sims)
-        if "main" not in parts:
-            return result
-        # First, while the engines' replay buffers still reach back to seq 0.
-        ctx.progress.phase("restart in front of warm engines")
-        result["restart"] = [
-            _restart(procs, client, sims, pol) for pol in ("cache_aware", "kv_aware")
-        ]
-        ctx.progress.phase("idle: index against the simulators")
-        result["idle"] = _idle_check(procs, client, sims)
-        rows = []
-        for rep in range(int(os.environ.get("BENCH_KV_REPEATS", p["repeats"]))):
-            for kind, policy in configs:
-                for replicas in (1, 2):
-                    ctx.progress.phase(f"{kind} {policy} x{replicas} (run {rep + 1})")
-                    rows.append(_one(ctx, procs, client, sims, kind, policy, replicas))
-                if kind == "ours":
-                    ctx.progress.phase(f"{kind} {policy} --workers 2 (run {rep + 1})")
-                    rows.append(_one(ctx, procs, client, sims, kind, policy, 1, workers=2))
-        result["configs"] = rows
     finally:
         client.close()
         procs.close()

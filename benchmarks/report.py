@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt
 import orjson
 
 from .common import scenario_results
+from .kv_goals import judge
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -605,6 +606,16 @@ def _kv_aware(data: dict[str, Any]) -> list[str]:
     ]
     header = ["router / policy", "setup", "runs", "prefill hits", "TTFT p50 ms", "TTFT p99 ms",
               "req/s", "router CPU ms / req", "failed"]  # fmt: skip
+    goals = judge(data)
+    if goals:
+        out += ["**Goals** (issue 21; see benchmarks/kv_goals.py for how each is read)", ""]
+        verdicts = [
+            [g["setup"], g["measure"], g["goal"], g["figure"], "met" if g["met"] else "MISSED",
+             g["source"]]
+            for g in goals
+        ]  # fmt: skip
+        out += _table(["setup", "measure", "goal", "this run", "", "from"], verdicts)
+        out.append("")
     if data.get("configs"):
         out += _table(header, _kv_rows(data["configs"], ""))
         out.append("")
