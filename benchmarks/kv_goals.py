@@ -30,7 +30,7 @@ import attrs
 
 from .common import median
 
-__all__ = ["Goal", "judge"]
+__all__ = ["Goal", "idle_counts", "judge"]
 
 #: One goal's row: setup, measure, goal, figure, met, source.
 Goal = dict[str, Any]
@@ -104,6 +104,13 @@ def _setups(result: dict[str, Any]) -> dict[str, _Setup]:
     return found
 
 
+def idle_counts(idle: dict[str, Any]) -> str:
+    """The idle check's block counts, ``index / simulator`` per engine."""
+    return ", ".join(
+        f"{idle['index_blocks'].get(url)} / {blocks}" for url, blocks in idle["sim_blocks"].items()
+    )
+
+
 def _goal(setup: str, measure: str, goal: str, figure: str, met: bool, source: str = "") -> Goal:
     return {
         "setup": setup,
@@ -160,16 +167,12 @@ def judge(result: dict[str, Any]) -> list[Goal]:
         )
     idle = result.get("idle")
     if idle:
-        counts = ", ".join(
-            f"{idle['index_blocks'].get(url)} / {blocks}"
-            for url, blocks in idle["sim_blocks"].items()
-        )
         out.append(
             _goal(
                 "idle",
                 "index blocks",
                 "the simulators', engine by engine",
-                counts,
+                idle_counts(idle),
                 bool(idle["equal"]),
                 "idle check",
             )

@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 import orjson
 
 from .common import scenario_results
-from .kv_goals import judge
+from .kv_goals import idle_counts, judge
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -626,13 +626,9 @@ def _kv_aware(data: dict[str, Any]) -> list[str]:
         )
     idle = data.get("idle")
     if idle:
-        counts = ", ".join(
-            f"{idle['index_blocks'].get(url)} / {blocks}"
-            for url, blocks in idle["sim_blocks"].items()
-        )
         out.append(
             "- Idle: the index's block counts equal the simulators', engine by engine:"
-            f" {'yes' if idle['equal'] else 'no'} (index / simulator: {counts})."
+            f" {'yes' if idle['equal'] else 'no'} (index / simulator: {idle_counts(idle)})."
         )
     if data.get("tokenizer"):
         out += ["", "**Tokens per request**: engine `/tokenize` against a local tokenizer", ""]
