@@ -4,9 +4,9 @@
 Each setup is judged on the run's paired rounds where it has them (``rounds.pairs``: the
 ``kv_aware`` variant against ``cache_aware`` of the same rounds, the pooled TTFT p99 ratio and
 the median hit difference of the pairs), else on its main rows (the medians of the repeats,
-ratio and difference of those medians). Single main rows of 20 s move more than the goals'
-margins (README, Numbers), so a verdict from main rows alone is a weak one; the table says
-which source each verdict rests on.
+ratio and difference of those medians). A single main row moves more than the goals' margins
+(README, Numbers), so a verdict from main rows alone is a weak one; the table says which source
+each verdict rests on.
 
 The goals as this project reads them:
 
