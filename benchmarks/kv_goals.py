@@ -111,7 +111,7 @@ def idle_counts(idle: dict[str, Any]) -> str:
     )
 
 
-def _goal(setup: str, measure: str, goal: str, figure: str, met: bool, source: str = "") -> Goal:
+def _goal(setup: str, measure: str, goal: str, figure: str, met: bool, source: str) -> Goal:
     return {
         "setup": setup,
         "measure": measure,
@@ -124,23 +124,24 @@ def _goal(setup: str, measure: str, goal: str, figure: str, met: bool, source: s
 
 def _setup_goals(name: str, s: _Setup, one_router: _Setup | None) -> list[Goal]:
     """One setup's goals (module doc)."""
+
+    def goal(measure: str, target: str, figure: str, met: bool) -> Goal:
+        return _goal(name, measure, target, figure, met, s.source)
+
     limit, reference = P99_GOALS[name]
     # Judged on the figures as shown: ratios to 0.01, points to 0.1.
     ratio, diff = round(s.p99_ratio, 2), round(s.hit_diff, 1)
     hits = f"{s.kv_hits:.1%} vs {s.ref_hits:.1%} ({diff:+.1f})"
-    out = [_goal(name, "TTFT p99", f"<= {limit}x {reference}'s", f"{ratio:.2f}x", ratio <= limit)]
+    out = [goal("TTFT p99", f"<= {limit}x {reference}'s", f"{ratio:.2f}x", ratio <= limit)]
     if name == "one router":
-        out.append(
-            _goal(name, "prefix hits", f"at most 1 point below {reference}'s", hits, diff >= -1)
-        )
+        out.append(goal("prefix hits", f"at most 1 point below {reference}'s", hits, diff >= -1))
     if name == "two replicas":
-        out.append(_goal(name, "prefix hits", f"{reference}'s + 10 points", hits, diff >= 10))
+        out.append(goal("prefix hits", f"{reference}'s + 10 points", hits, diff >= 10))
     if name != "one router" and one_router is not None:
         mine, single = round(s.kv_hits * 100, 1), round(one_router.kv_hits * 100, 1)
-        figure = f"{mine:.1f} vs {single:.1f} %"
-        below = round(mine - single, 1) >= -3
-        out.append(_goal(name, "prefix hits", "at most 3 points below one router's", figure, below))
-    return [{**goal, "source": s.source} for goal in out]
+        figure, near = f"{mine:.1f} vs {single:.1f} %", round(mine - single, 1) >= -3
+        out.append(goal("prefix hits", "at most 3 points below one router's", figure, near))
+    return out
 
 
 def judge(result: dict[str, Any]) -> list[Goal]:
