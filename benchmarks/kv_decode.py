@@ -4,7 +4,7 @@
 prefill's stores: 32 blocks of 16 tokens; a scheduler step under cache pressure: 4 stores and 4
 removes of 8 blocks; the legacy array layout of the latter), each decoded untyped by
 ``msgspec.msgpack.decode`` and by ``msgpack.unpackb``, and the whole of
-:func:`trio_pdrouter.kv_wire.decode_payload` (typed, as the router decodes these shapes) and of
+:func:`trio_pdrouter.kv.wire.decode_payload` (typed, as the router decodes these shapes) and of
 its field-by-field reading (untyped msgspec plus reading the events by name: what it does for
 a shape it does not decode typed).
 Needs ``msgpack`` (``pip install msgpack``; the router itself does not).
@@ -20,8 +20,8 @@ from typing import Any
 
 import msgspec
 
-from trio_pdrouter import kv_wire
-from trio_pdrouter.kv_wire import decode_payload
+from trio_pdrouter.kv import decode_payload
+from trio_pdrouter.kv import wire as kv_wire
 from trio_pdrouter_sim.kv_events import KvJournal
 
 

@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.kv_replay`` fills a simulated engine's replay buffer (vLLM's default,
 10,000 batches) with prefills of 9 blocks of 16 tokens into a 20,000-block prefix cache, starts
-a :class:`~trio_pdrouter.kv_subscriber.KvEvents` in front of it on 127.0.0.1, and prints the
+a :class:`~trio_pdrouter.kv.subscriber.KvEvents` in front of it on 127.0.0.1, and prints the
 payload bytes replayed, the blocks indexed, the process's peak RSS before and after, its RSS
 once the replay is applied, and the CPU time the replay took. Runs in one process: the
 engine's journal and cache are part of the "before" figure.
@@ -22,7 +22,7 @@ import time
 import trio
 import zmq
 
-from trio_pdrouter.kv_subscriber import EventSource, KvEvents
+from trio_pdrouter.kv import EventSource, KvEvents
 from trio_pdrouter_sim.engine import PrefixCache, block_hashes
 from trio_pdrouter_sim.kv_events import KvJournal, serve_replay
 

@@ -19,10 +19,8 @@ import time
 from pathlib import Path
 
 from trio_pdrouter.endpoints import Endpoint, Role
-from trio_pdrouter.machine_table import MachineTable
-from trio_pdrouter.policies import PolicySettings, RoutingKey
-from trio_pdrouter.policies.cache_aware import CacheAware
-from trio_pdrouter.prefix_ring import PrefixFeed
+from trio_pdrouter.machine import MachineTable, PrefixRing
+from trio_pdrouter.routing import CacheAware, PolicySettings, RoutingKey
 
 ENDPOINTS = [Endpoint("http://10.0.0.1:8000", Role.PREFILL, rank) for rank in range(4)]
 
@@ -41,7 +39,7 @@ def cpu_per_choice_us(workers: int, shared: bool, requests: list[str]) -> float:
         try:
             policies = []
             for row in range(workers):
-                feed = PrefixFeed(table.prefixes, workers, row, "prefill") if shared else None
+                feed = PrefixRing(table.prefixes, workers, row, "prefill") if shared else None
                 policy = CacheAware(
                     PolicySettings(),
                     random.Random(row),

@@ -17,8 +17,8 @@ import sys
 import time
 from typing import Any
 
-from trio_pdrouter.policies.cache_aware import EVICTION_SLICE
-from trio_pdrouter.policies.radix_tree import RadixTree
+from trio_pdrouter.routing.policies import RadixTree
+from trio_pdrouter.routing.policies.cache_aware import EVICTION_SLICE
 
 PROFILES: dict[str, dict[str, int]] = {
     # quick: 2 Mi chars per tenant, a few seconds; full: vllm-router's default 2**25 per tenant.

@@ -47,7 +47,7 @@ def _worker_cpu(router: Service) -> dict[int, float]:
     with contextlib.suppress(psutil.Error):
         for child in router.ps.children(recursive=False):
             with contextlib.suppress(psutil.Error):
-                if "trio_pdrouter.worker" not in child.cmdline():
+                if "trio_pdrouter.workers.worker" not in child.cmdline():
                     continue  # the supervisor's multiprocessing resource tracker
                 t = child.cpu_times()
                 out[child.pid] = t.user + t.system

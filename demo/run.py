@@ -29,7 +29,7 @@ import httpx
 import trio
 
 from trio_pdrouter.config import RouterConfig, ServerSettings
-from trio_pdrouter.policies import PolicySettings
+from trio_pdrouter.routing import PolicySettings
 from trio_pdrouter.server import RunningRouter, run_router
 from trio_pdrouter_sim.config import SimConfig
 from trio_pdrouter_sim.server import SimServer

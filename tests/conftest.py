@@ -3,10 +3,10 @@
 * ``ci`` (the default, used by ``make test``): Hypothesis' usual 100 examples per test and up to 50
   steps per state machine run, with no per-example deadline (the lifecycle machines drive a trio
   loop in a helper thread; a slow CI machine must not turn into a flaky ``DeadlineExceeded``).
-  The state machines of ``tests/test_lifecycle_machine.py`` take about 20 s in all on 2 cores.
+  The state machines of ``tests/serve/test_lifecycle_machine.py`` take about 20 s in all on 2 cores.
 * ``long``: a soak of the same properties, 20x the examples and 4x the steps per run::
 
-      .venv/bin/pytest --hypothesis-profile=long tests/test_lifecycle_machine.py tests/test_load.py
+      .venv/bin/pytest --hypothesis-profile=long tests/serve/test_lifecycle_machine.py tests/ledger/test_load.py
 
   ``--hypothesis-profile`` is the option of Hypothesis' own pytest plugin; it overrides the
   profile loaded here.
@@ -22,7 +22,7 @@ import pytest
 import trio
 from hypothesis import HealthCheck, settings
 
-from .redis_server import RedisServer
+from tests.redis_server import RedisServer
 
 settings.register_profile(
     "ci",

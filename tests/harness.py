@@ -17,8 +17,8 @@ import trio
 
 from trio_pdrouter.app import RouterApp
 from trio_pdrouter.config import RouterConfig
+from trio_pdrouter.http import LegClient
 from trio_pdrouter.server import build_app
-from trio_pdrouter.upstream import LegClient
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 

@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 
-from trio_pdrouter import flags
 from trio_pdrouter.cli import build_parser, parse_config
-from trio_pdrouter.config import RouterConfig
+from trio_pdrouter.config import RouterConfig, flags
 from trio_pdrouter.endpoints import Role, normalize_url
 from trio_pdrouter_sim.tokenizer_files import write_model_dir
 

@@ -13,13 +13,12 @@ import attrs
 import httpx
 import trio
 
+from tests.cluster import eventually
+from tests.discovery.test_discovery_e2e import kubeconfig
+from tests.kube_fake import FakeKube, serve_fake
+from tests.test_cli import VLLM_ROUTER_FLAGS
 from trio_pdrouter_sim import SimConfig
 from trio_pdrouter_sim.server import SimServer
-
-from .cluster import eventually
-from .kube_fake import FakeKube, serve_fake
-from .test_cli import VLLM_ROUTER_FLAGS
-from .test_discovery_e2e import kubeconfig
 
 #: Flags of vllm-router that are refused here when given a value of their own.
 REFUSED = {

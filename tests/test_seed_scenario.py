@@ -16,10 +16,9 @@ import httpx
 import pytest
 import trio
 
-from trio_pdrouter.policies import PolicySettings
+from tests.cluster import eventually, start_cluster
+from trio_pdrouter.routing import PolicySettings
 from trio_pdrouter_sim.config import SimConfig
-
-from .cluster import eventually, start_cluster
 
 PREFIX = "You are a helpful assistant for the seed scenario. " * 40
 STREAMS = 200

@@ -10,10 +10,9 @@ import httpx
 import orjson
 import trio
 
+from tests.cluster import eventually
 from trio_pdrouter_sim.config import SimConfig
 from trio_pdrouter_sim.server import SimServer
-
-from .cluster import eventually
 
 
 async def start_router_process(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import signal
 from collections.abc import Awaitable, Callable
 from typing import cast
@@ -15,47 +14,24 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 from hypercorn.typing import Framework
 
-from . import heap
-from .admission import Admission
+from . import collector
 from .app import RouterApp
-from .breaker import Breakers
-from .buffers import BufferBudget
-from .cluster_sync import ClusterSync, connect, exchange_timeout
+from .assemble import build_app
 from .config import ClusterSettings, RouterConfig
-from .context_length import ContextCheck
-from .endpoints import Role, normalize_url
-from .engine_truth import EngineTruth
-from .fleet import Fleet, MachineServers
-from .health import HealthBoard
-from .hypercorn_fixes import (
+from .discovery import Credentials, credentials, follow_pods
+from .endpoints import normalize_url
+from .fleet import PROBER_ROW, wait_until_healthy
+from .http import (
+    LegClient,
     close_connections_when_clients_leave,
     expose_connections,
+    make_client,
     serve_http1_only,
 )
-from .kube_credentials import Credentials
-from .kube_discovery import credentials, follow_pods
-from .kv_metrics import KvCollector
-from .kv_sources import kv_events_for
-from .legs import BufferedDecode, PrefillLeg
-from .load import LoadLedger
-from .local_tokenizer import LocalTokenizer
-from .machine_health import PROBER_ROW, MachineVerdicts
-from .machine_ledger import MachineLedger
-from .metrics import MetricsApp, RouterMetrics
-from .model_limits import ModelLimits
-from .peers import PeerLoads, Snapshot
-from .policies import KvAware, make_policy
-from .prefix_ring import PrefixFeed
-from .prompt_tokens import PromptTokens
-from .proxy import Proxy
-from .rate_limit import TokenBucket
-from .relay import DecodeRelay
-from .route_ring import RouteFeed
+from .ledger import ClusterSync, LoadLedger, MachineLedger, Snapshot, connect, exchange_timeout
+from .observe import MetricsApp, RouterMetrics
 from .routing import Routing
-from .stalls import StallWatch
-from .startup import wait_until_healthy
-from .stranded import KvReclaimer
-from .upstream import LegClient, make_client, stream_timeout
+from .serve import StallWatch
 
 log = logging.getLogger("trio_pdrouter.server")
 
@@ -94,204 +70,6 @@ def hypercorn_config(config: RouterConfig) -> HypercornConfig:
     return hc
 
 
-def build_app(
-    config: RouterConfig,
-    client: LegClient,
-    background: trio.Nursery,
-    *,
-    ledger: LoadLedger | None = None,
-) -> RouterApp:
-    """The whole router as an ASGI app over ``client``; tests pass an in-memory transport.
-
-    ``background`` runs work that outlives a request (the stranded-KV reclaim). Health probes,
-    the engine-truth scrape and policy maintenance are started by :func:`run_router`. ``ledger``
-    is this process's own unless given (a worker of ``--workers N`` gives its machine ledger).
-    """
-    ledger = LoadLedger() if ledger is None else ledger
-    metrics = RouterMetrics()
-    fleet: Fleet
-    limits = ModelLimits(client, lambda: serving(), api_key=config.upstream_api_key)
-
-    def health_changed(url: str, healthy: bool) -> None:
-        log.log(logging.INFO if healthy else logging.WARNING, "url=%s healthy=%s", url, healthy)
-        for ep in fleet.endpoints_of(url):
-            metrics.health(ep.key, healthy)
-        if healthy:  # perhaps restarted with another model: learn its context length again
-            limits.relearn(url)
-
-    verdicts = None
-    prober = True  # this process probes health and scrapes the engines
-    if isinstance(ledger, MachineLedger):
-        verdicts = MachineVerdicts(ledger.table)
-        prober = ledger.row == PROBER_ROW
-    health = HealthBoard(
-        config.health, on_change=health_changed, verdicts=verdicts if prober else None
-    )
-    breakers = Breakers(
-        config.breaker,
-        in_flight=ledger.load,
-        on_change=lambda ep, old, new: metrics.breaker_state(ep.key, new),
-    )
-    rng = random.Random()
-    every = [ep for endpoints in config.endpoints().values() for ep in endpoints]
-    relay_dir = None  # a worker of --workers N: the supervisor's fan-out beside the lock file
-    if isinstance(ledger, MachineLedger):
-        relay_dir = os.path.dirname(ledger.table.lock_path)
-    kv = kv_events_for(config.kv_events, config.policy_settings, every, relay_dir=relay_dir)
-    if kv is not None:
-        metrics.registry.register(KvCollector(kv))
-
-    def feed(role: Role) -> PrefixFeed | None:
-        """With ``--workers N``: the machine's prefix rings, so every worker's tree learns all."""
-        if not isinstance(ledger, MachineLedger):
-            return None
-        table = ledger.table
-        return PrefixFeed(table.prefixes, table.rows, ledger.row, role.value)
-
-    def routes(role: Role) -> RouteFeed | None:
-        """With ``--workers N``: the machine's route rings, so every worker's forecasts see
-        the prompts all workers have in flight."""
-        if not isinstance(ledger, MachineLedger) or config.stage_policy(role) != "kv_aware":
-            return None
-        table = ledger.table
-        return RouteFeed(table.routes, table.rows, ledger.row, role.value)
-
-    policies = {
-        role: make_policy(
-            config.stage_policy(role),
-            stage=role.value,
-            settings=config.policy_settings,
-            on_decision=metrics.policy_decision,
-            rng=rng,
-            feed=feed(role),
-            kv=kv,
-            routes=routes(role),
-        )
-        for role in config.servers()
-    }
-    peers = None
-    if config.cluster.url is not None:
-        cluster = config.cluster
-        # Peers' counts hold for an expiry plus one exchange's time limit without news: longer
-        # and the sync loop has stopped (a failed exchange forgets them at once anyway).
-        peers = PeerLoads(
-            cluster.replica(config.server.port),
-            cluster.ttl + exchange_timeout(cluster.ttl),
-            trio.current_time,
-        )
-    routing = Routing(
-        policies,
-        ledger,
-        (health.is_healthy, lambda ep: breakers.admits(ep, trio.current_time())),
-        peers,
-        by_tokens=config.token_roles(),
-    )
-    machine = None
-    if isinstance(ledger, MachineLedger):
-        machine = MachineServers(ledger.table, background, config.server.graceful_timeout)
-    fleet = Fleet(
-        dp_size=config.dp_size,
-        routing=routing,
-        ledger=ledger,
-        health=health,
-        breakers=breakers,
-        machine=machine,
-    )
-    for role, urls in config.servers().items():
-        for url in urls:
-            fleet.add_at_start(url, role)
-    fleet.catch_up()  # and then the runtime changes made before it started
-    metrics.watch_ledger(ledger, fleet.endpoints())
-
-    rate = config.admission.rate_limit_tokens_per_second
-    bucket = None
-    if rate is not None:
-        bucket = TokenBucket(config.admission.max_concurrent_requests, rate, trio.current_time())
-    admission = Admission(config.admission, bucket)
-    metrics.watch_admission(lambda: admission.queued)
-    budget = BufferBudget(config.max_total_buffered_bytes)
-    metrics.watch_buffers(lambda: budget.total)
-    t = config.timeouts
-    relay = DecodeRelay(
-        client,
-        first_byte_limit=t.first_byte_limit,
-        stream_timeout=stream_timeout(t),
-        max_buffered_bytes=config.max_buffered_bytes,
-        budget=budget,
-        release_at_headers=config.release_decode_at_headers,
-    )
-    background.start_soon(relay.watch)
-    proxy = Proxy(
-        config,
-        routing=routing,
-        admission=admission,
-        outcomes=breakers,
-        prefill=PrefillLeg(
-            client, t.prefill_limit, config.upstream_api_key, config.max_upstream_answer_bytes
-        ),
-        buffered=BufferedDecode(client, t.first_byte_limit, config.max_upstream_answer_bytes),
-        relay=relay,
-        reclaimer=KvReclaimer(
-            client,
-            ledger,
-            background,
-            limit=t.first_byte_limit,
-            upstream_api_key=config.upstream_api_key,
-            on_reclaim=metrics.stranded_kv,
-        ),
-        rng=rng,
-    )
-    truth = None
-    if config.engine_metrics_interval > 0 and prober:
-        truth = EngineTruth(
-            fleet.endpoints, ledger, client, config.engine_metrics_interval, metrics, peers
-        )
-    # kv_aware routes on token ids: the router (--kv-tokenizer-path) or an engine tokenizes
-    path = config.kv_events.tokenizer_path
-    local = LocalTokenizer.load(path) if path is not None else None
-    tokens = None
-    kv_roles = [role for role in config.servers() if config.stage_policy(role) == "kv_aware"]
-    if kv_roles:
-        at = lambda: sorted({ep.url for ep in routing.candidates(kv_roles[0])})  # noqa: E731
-        first = policies[kv_roles[0]]
-        tokens = PromptTokens(
-            client,
-            at,
-            api_key=config.upstream_api_key,
-            local=local,
-            seen=first.seen_chars if isinstance(first, KvAware) else None,
-            cut_chars=config.kv_events.cut_chars(),
-            on_outcome=metrics.tokenized,
-        )
-    generating = Role.DECODE if config.pd else Role.REGULAR
-
-    def serving() -> set[str]:
-        return {ep.url for ep in routing.candidates(generating)}
-
-    context = None
-    if config.check_context_length:
-        counter = tokens or PromptTokens(
-            client, lambda: sorted(serving()), api_key=config.upstream_api_key, local=local
-        )
-        context = ContextCheck(limits, serving, counter)
-    return RouterApp(
-        config,
-        fleet=fleet,
-        routing=routing,
-        ledger=ledger,
-        proxy=proxy,
-        client=client,
-        metrics=metrics,
-        health=health,
-        engine_truth=truth,
-        peers=peers,
-        verdicts=None if prober else verdicts,
-        kv_events=kv,
-        tokens=tokens,
-        context=context,
-    )
-
-
 async def wait_for_signal() -> None:
     """Return on SIGINT or SIGTERM: the start of a graceful shutdown."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -317,9 +95,10 @@ async def run_router(
     supervisor made (``listen_fd``, ``metrics_fd`` for ``--prometheus-port``); otherwise the
     router binds its ports itself.
 
-    First waits for the configured servers to be healthy (:mod:`.startup`); raises
-    :class:`~.startup.StartupTimeout` when they are not in time, and
-    :class:`~.kube_credentials.NoCredentials` when ``--service-discovery`` has no API server.
+    First waits for the configured servers to be healthy (:mod:`trio_pdrouter.fleet.startup`);
+    raises :class:`~trio_pdrouter.fleet.startup.StartupTimeout` when they are not in time, and
+    :class:`~trio_pdrouter.discovery.credentials.NoCredentials` when ``--service-discovery`` has no
+    API server.
 
     Shutdown: once the trigger returns, the router stops accepting connections and lets the
     requests in flight finish for ``--graceful-timeout-secs``; then it ends each one whose
@@ -329,7 +108,7 @@ async def run_router(
     hold sends that nothing can cancel.
 
     ``settle_heap`` (the command line's processes): once serving, the garbage collector is
-    settled (:func:`.heap.settle`).
+    settled (:func:`trio_pdrouter.collector.settle`).
     """
     close_connections_when_clients_leave()
     serve_http1_only()
@@ -345,7 +124,7 @@ async def run_router(
                 _run, config, client, nursery, shutdown_trigger, exit_by_deadline, seat
             )
             if settle_heap:
-                heap.settle()
+                collector.settle()
             task_status.started(running)
 
 

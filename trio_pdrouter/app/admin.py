@@ -1,0 +1,187 @@
+"""The admin routes: health and readiness, loads, servers, models, metrics, the KV index.
+
+``POST /workers`` and ``DELETE /workers/{url}`` change the fleet (through
+:class:`~trio_pdrouter.fleet.Fleet` only); the others read what the router knows.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import unquote
+
+import httpx
+import orjson
+
+from ..config import RouterConfig
+from ..endpoints import Role
+from ..fleet import DuplicateServer, EngineTruth, Fleet
+from ..http import Receive, Reply, Scope, Send, errors
+from ..kv import KvEvents
+from ..ledger import LoadLedger, PeerLoads, Snapshot, cluster_view
+from ..observe import CONTENT_TYPE, RouterMetrics
+from ..routing import Routing
+from .request_body import BadRequest, read_body, send_reply
+
+__all__ = ["WORKER_PREFIX", "AdminRoutes", "Handler"]
+
+log = logging.getLogger("trio_pdrouter.access")
+
+Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+WORKER_PREFIX = "/workers/"
+
+
+class AdminRoutes:
+    """The admin routes over the subsystems they read or change: ``engine_truth`` is None when
+    ``--engine-metrics-interval`` is 0, ``peers`` without ``--cluster-url``, ``kv_events``
+    without ``--kv-event-source``."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        fleet: Fleet,
+        routing: Routing,
+        ledger: LoadLedger,
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+        engine_truth: EngineTruth | None,
+        peers: PeerLoads | None,
+        kv_events: KvEvents | None,
+    ) -> None:
+        self._config = config
+        self._fleet = fleet
+        self._routing = routing
+        self._ledger = ledger
+        self._client = client
+        self._metrics = metrics
+        self._engine_truth = engine_truth
+        self._peers = peers
+        self._kv_events = kv_events
+
+    def routes(self) -> dict[str, dict[str, Handler]]:
+        """Path -> method -> handler of every admin route but ``DELETE /workers/{url}``
+        (:meth:`remove_worker`, matched by prefix)."""
+        return {
+            "/health": {"GET": self._health},
+            "/healthcheck": {"GET": self._health},  # vLLM's PD proxy example serves this one
+            "/liveness": {"GET": self._health},
+            "/readiness": {"GET": self._readiness},
+            "/get_loads": {"GET": self._get_loads},
+            "/workers": {"GET": self._workers, "POST": self._add_worker},
+            "/v1/models": {"GET": self._models},
+            "/metrics": {"GET": self._metrics_route},
+            "/debug/kv-index": {"GET": self._kv_index},
+        }
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_reply(send, Reply.json(b'{"status":"ok"}'))
+
+    async def _readiness(self, scope: Scope, receive: Receive, send: Send) -> None:
+        missing = [role.value for role in self._routing.roles if not self._routing.candidates(role)]
+        if missing:
+            body = orjson.dumps({"status": "not_ready", "no_healthy_endpoint": missing})
+            await send_reply(send, Reply.json(body, status=503))
+        else:
+            await send_reply(send, Reply.json(b'{"status":"ready"}'))
+
+    async def _get_loads(self, scope: Scope, receive: Receive, send: Send) -> None:
+        loads: dict[str, Any] = {
+            role.value: self._ledger.by_role(role) for role in self._routing.roles
+        }
+        loads["tokens"] = self._ledger.token_snapshot()  # token weights, beside the counts
+        truth = self._engine_truth
+        if truth is not None:  # beside the integer maps, so existing readers are unaffected
+            loads["engine"] = truth.engine_totals()
+            loads["drift"] = dict(truth.drift)
+            loads["engine_tokens"] = truth.engine_tokens()
+            loads["token_drift"] = dict(truth.token_drift)
+            loads["drift_of"] = truth.drift_of
+        if self._peers is not None:
+            loads["cluster"] = cluster_view(Snapshot.of(self._ledger), self._peers)
+        await send_reply(send, Reply.json(orjson.dumps(loads)))
+
+    async def _kv_index(self, scope: Scope, receive: Receive, send: Send) -> None:
+        rows = self._kv_events.snapshot() if self._kv_events is not None else []
+        forecasts = self._routing.forecasts()
+        for row in rows:
+            row["forecast"] = forecasts.get(str(row["endpoint"]), {})
+        # The pid says which process answered (with --workers N, each worker has its own view).
+        body = {"pid": os.getpid(), "engines": rows}
+        await send_reply(send, Reply.json(orjson.dumps(body)))
+
+    async def _metrics_route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = self._metrics.exposition()
+        await send_reply(send, Reply(200, [(b"content-type", CONTENT_TYPE.encode())], body))
+
+    async def _workers(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_reply(send, Reply.json(orjson.dumps({"workers": self._fleet.workers()})))
+
+    async def _add_worker(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /workers {"url": ..., "role": "prefill"|"decode"|"regular"}``.
+
+        The new server takes traffic once a health probe has passed (at once when health
+        checks are off).
+        """
+        try:
+            raw = await read_body(receive, 64 * 1024, self._config.server.body_timeout)
+        except BadRequest as exc:
+            await send_reply(send, Reply.error(exc.error, exc.headers))
+            return
+        try:
+            body = orjson.loads(raw or b"null")
+        except orjson.JSONDecodeError:
+            body = None
+        url, role_name = (body.get("url"), body.get("role")) if isinstance(body, dict) else (0, 0)
+        if not isinstance(url, str) or role_name not in {r.value for r in Role}:
+            error = errors.bad_request(
+                'expected {"url": "http://host:port", "role": "prefill" | "decode" | "regular"}'
+            )
+            await send_reply(send, Reply.error(error))
+            return
+        try:
+            added = self._fleet.add(url, Role(role_name), serving=False)
+        except DuplicateServer as exc:
+            await send_reply(send, Reply.error(errors.RouterError(409, str(exc), "conflict_error")))
+            return
+        except ValueError as exc:
+            await send_reply(send, Reply.error(errors.bad_request(str(exc), "url")))
+            return
+        log.info("worker_added url=%s role=%s endpoints=%d", added[0].url, role_name, len(added))
+        payload = {"url": added[0].url, "role": role_name, "endpoints": [ep.key for ep in added]}
+        await send_reply(send, Reply.json(orjson.dumps(payload), status=201))
+
+    async def remove_worker(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``DELETE /workers/{url}``: stop routing to it, wait for its requests, forget it."""
+        url = unquote(scope["path"][len(WORKER_PREFIX) :]).rstrip("/")
+        removal = await self._fleet.remove(url, self._config.server.graceful_timeout)
+        if removal is None:
+            await send_reply(send, Reply.error(errors.not_found(f"worker {url}")))
+            return
+        in_flight = removal.in_flight
+        log.info("worker_removed url=%s in_flight=%d", url, in_flight)
+        payload = {"removed": [ep.key for ep in removal.removed], "in_flight": in_flight}
+        await send_reply(
+            send, Reply.json(orjson.dumps(payload), status=200 if not in_flight else 202)
+        )
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The model list of the first upstream that answers; never a 500 for one that is down."""
+        seen: set[str] = set()
+        order = (Role.DECODE, Role.REGULAR, Role.PREFILL)
+        for role in order:
+            for ep in self._routing.candidates(role):
+                if ep.url in seen:
+                    continue
+                seen.add(ep.url)
+                try:
+                    resp = await self._client.get(ep.url + "/v1/models", timeout=5.0)
+                except httpx.HTTPError:
+                    continue
+                if resp.status_code == 200:
+                    await send_reply(send, Reply.json(resp.content))
+                    return
+        await send_reply(send, Reply.error(errors.no_healthy_endpoint("model-listing")))

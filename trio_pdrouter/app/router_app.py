@@ -1,0 +1,176 @@
+"""The ASGI application: every request's first checks, then its route.
+
+Before a route is looked up: lifespan, CORS preflight, the HTTP/2 preface, the head's size, the
+API key, request smuggling. Then the inference routes (:mod:`.inference`) or the admin routes
+(:mod:`.admin`).
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import httpx
+
+from ..config import RouterConfig
+from ..fleet import EngineTruth, Fleet, HealthBoard, Verdicts
+from ..http import ROUTES, Cors, Receive, Reply, Scope, Send, answer_lifespan, errors, origin_of
+from ..kv import KvEvents
+from ..ledger import LoadLedger, PeerLoads
+from ..observe import RouterMetrics
+from ..routing import PromptTokens, Routing
+from ..serve import ContextCheck, Proxy
+from .admin import WORKER_PREFIX, AdminRoutes, Handler
+from .inference import InferenceRoutes
+from .request_body import CLOSE, send_reply
+
+__all__ = ["OPEN_ROUTES", "RouterApp"]
+
+OPEN_ROUTES = frozenset({"/health", "/healthcheck", "/liveness", "/readiness"})
+
+
+class RouterApp:
+    """The router's ASGI application (see the module doc).
+
+    Every collaborator is given here: the fleet (servers), routing (candidates), the ledger
+    (``/get_loads``), the proxy (inference), the upstream client (``/v1/models``), metrics,
+    the health board, engine truth (None when ``--engine-metrics-interval`` is 0), the
+    peers' loads (None without ``--cluster-url``), the KV-event subscriber (None without
+    ``--kv-event-source``), the prompt tokenizer calls (None without a ``kv_aware`` stage) and
+    the context length check (None with ``--no-check-context-length``).
+    """
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        fleet: Fleet,
+        routing: Routing,
+        ledger: LoadLedger,
+        proxy: Proxy,
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+        health: HealthBoard,
+        engine_truth: EngineTruth | None,
+        peers: PeerLoads | None,
+        verdicts: Verdicts | None,
+        kv_events: KvEvents | None,
+        tokens: PromptTokens | None,
+        context: ContextCheck | None,
+    ) -> None:
+        self._config = config
+        self._cors = Cors(config.cors_allowed_origins)
+        self.fleet = fleet
+        self.routing = routing
+        self.ledger = ledger
+        self.proxy = proxy
+        self.metrics = metrics
+        #: Health probes (run by :func:`trio_pdrouter.server.run_router`).
+        self.health = health
+        #: The engines' own counts, when --engine-metrics-interval is not 0 (and, with
+        #: --workers N, in the prober only).
+        self.engine_truth = engine_truth
+        #: The other replicas' latest loads, when --cluster-url is set.
+        self.peers = peers
+        #: With --workers N, in every worker but the prober: the verdicts health follows.
+        self.verdicts = verdicts
+        #: The KV-event subscriber (--kv-event-source), run by run_router; and the tokenizer
+        #: calls kv_aware needs before routing.
+        self.kv_events = kv_events
+        #: Refuses prompts no candidate could hold (None with --no-check-context-length).
+        self.context = context
+        self._inference = InferenceRoutes(config, proxy, metrics, tokens, context)
+        self._admin = AdminRoutes(
+            config,
+            fleet=fleet,
+            routing=routing,
+            ledger=ledger,
+            client=client,
+            metrics=metrics,
+            engine_truth=engine_truth,
+            peers=peers,
+            kv_events=kv_events,
+        )
+        self.routes: dict[str, dict[str, Handler]] = self._admin.routes()
+        for path in ROUTES:
+            self.routes[path] = {"POST": self._inference.handle}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await answer_lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        origin = origin_of(scope)
+        if origin is not None:  # a browser: answer its preflight, or add CORS headers
+            if self._cors.is_preflight(scope):
+                await send_reply(send, self._cors.preflight(origin))
+                return
+            send = self._cors.on_response(origin, send)
+        path: str = scope["path"]
+        if scope.get("http_version", "1.1").startswith("2"):
+            # The HTTP/2 preface (trio_pdrouter.http.serve_http1_only says why it lands here).
+            await send_reply(send, Reply.error(errors.http2_not_served(), CLOSE))
+            return
+        limit = self._config.server.max_header_bytes
+        if _head_size(scope) > limit:
+            # hypercorn bounds what it buffers of an incomplete head, but a head that completes
+            # within one more read passes that check; this one counts the head itself.
+            await send_reply(send, Reply.error(errors.headers_too_large(limit), CLOSE))
+            return
+        key = self._config.api_key
+        # Before the route is looked up: without the key, every route answers 401 alike, so
+        # none can be told apart (enumerated) by its 404 or 405.
+        if key is not None and path not in OPEN_ROUTES and not _authorized(scope, key):
+            await send_reply(send, Reply.error(errors.unauthorized()))
+            return
+        if _smuggling(scope):
+            # RFC 9112 §6.1: a message with both may be a request smuggled past a proxy that
+            # trusts Content-Length; refuse it and close the connection.
+            error = errors.bad_request("request has both Content-Length and Transfer-Encoding")
+            await send_reply(send, Reply.error(error, CLOSE))
+            return
+        methods = self.routes.get(path)
+        if methods is None and path.startswith(WORKER_PREFIX):
+            methods = {"DELETE": self._admin.remove_worker}
+        if methods is None:
+            await send_reply(send, Reply.error(errors.not_found(path)))
+            return
+        handler = methods.get(scope["method"])
+        if handler is None:
+            allow = ", ".join(sorted(methods)).encode()
+            reply = Reply.error(
+                errors.method_not_allowed(scope["method"], path), [(b"allow", allow)]
+            )
+            await send_reply(send, reply)
+            return
+        await handler(scope, receive, send)
+
+    def account_unfinished(self) -> None:
+        """Log and count every request still in flight, as it stands (the process is about
+        to exit without them finishing)."""
+        self._inference.account_unfinished()
+
+
+def _head_size(scope: Scope) -> int:
+    """The size of the request line and headers as they came on the wire (near enough: the
+    method, version and separators are counted at their usual width)."""
+    size = len(scope.get("raw_path") or scope["path"]) + len(scope.get("query_string", b"")) + 16
+    for name, value in scope["headers"]:
+        size += len(name) + len(value) + 4
+    return size
+
+
+def _authorized(scope: Scope, api_key: str) -> bool:
+    """``Authorization: Bearer KEY``; the scheme's name is case-insensitive (RFC 7235)."""
+    for name, value in scope["headers"]:
+        if name.lower() == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            return scheme.lower() == b"bearer" and hmac.compare_digest(
+                token.strip(b" "), api_key.encode()
+            )
+    return False
+
+
+def _smuggling(scope: Scope) -> bool:
+    names = {name.lower() for name, _ in scope["headers"]}
+    return b"content-length" in names and b"transfer-encoding" in names

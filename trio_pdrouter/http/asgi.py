@@ -1,0 +1,110 @@
+"""The few ASGI shapes the router uses, and the client side of one exchange."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import attrs
+import trio
+
+from .errors import RouterError
+
+Message = dict[str, Any]
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Headers = Sequence[tuple[bytes, bytes]]
+
+JSON = b"application/json"
+
+
+@attrs.frozen
+class Reply:
+    """The last message of a response: a whole response if nothing was sent yet, else the tail
+    of the body (``status`` and ``headers`` are then unused)."""
+
+    status: int
+    headers: Headers
+    body: bytes
+
+    @classmethod
+    def error(cls, error: RouterError, headers: Headers = ()) -> Reply:
+        out = [(b"content-type", JSON), *headers]
+        if error.retry_after is not None:
+            out.append((b"retry-after", str(error.retry_after).encode()))
+        return cls(error.status, out, error.body())
+
+    @classmethod
+    def json(cls, body: bytes, status: int = 200) -> Reply:
+        return cls(status, [(b"content-type", JSON)], body)
+
+    @classmethod
+    def tail(cls, body: bytes = b"") -> Reply:
+        return cls(200, (), body)
+
+
+class Downstream:
+    """Sends a response to the client and remembers how far it got.
+
+    ``sending`` and ``sends_done`` let a watcher tell a client that accepts nothing (one send
+    under way, the count not moving) from one that is slow; see :mod:`trio_pdrouter.serve.stalled`.
+    """
+
+    __slots__ = (
+        "_send",
+        "bytes_sent",
+        "first_chunk_at",
+        "sending",
+        "sends_done",
+        "started",
+        "status",
+    )
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+        self.status = 0
+        self.bytes_sent = 0
+        #: When the first body chunk of a streamed response was sent (trio time).
+        self.first_chunk_at: float | None = None
+        self.sending = False
+        self.sends_done = 0
+
+    async def _out(self, message: Message) -> None:
+        self.sending = True
+        try:
+            await self._send(message)
+        finally:
+            self.sending = False
+            self.sends_done += 1
+
+    async def start(self, status: int, headers: Headers) -> None:
+        self.started = True
+        self.status = status
+        await self._out({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def chunk(self, data: bytes) -> None:
+        if self.first_chunk_at is None:
+            self.first_chunk_at = trio.current_time()
+        self.bytes_sent += len(data)
+        await self._out({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def finish(self, reply: Reply) -> None:
+        """Send ``reply`` as the response's last message."""
+        if not self.started:
+            await self.start(reply.status, reply.headers)
+        self.bytes_sent += len(reply.body)
+        await self._out({"type": "http.response.body", "body": reply.body, "more_body": False})
+
+
+async def answer_lifespan(receive: Receive, send: Send) -> None:
+    """Acknowledge ASGI lifespan startup and shutdown (the router has nothing to set up there:
+    its background work lives in :func:`trio_pdrouter.server.run_router`'s nursery)."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

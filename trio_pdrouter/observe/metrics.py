@@ -1,0 +1,375 @@
+"""The router's Prometheus metrics, all named ``trio_pdrouter_*``.
+
+Each router owns a private :class:`~prometheus_client.CollectorRegistry` (never the process-wide
+default), so several routers can share one process — the test suite and the demo do. The router
+serves it at ``GET /metrics`` and, with ``--prometheus-port``, on a separate listener.
+
+What feeds each metric:
+
+* the load ledger (every charge and release): ``in_flight``;
+* the end of every inference request (:meth:`RouterMetrics.observe_request`, given the request's
+  :class:`~trio_pdrouter.observe.record.RequestRecord`): ``requests_total``, ``ttfb_seconds``,
+  ``request_duration_seconds``, ``prefill_duration_seconds``, ``decode_duration_seconds``,
+  ``upstream_errors_total``, ``retries_total``, ``admission_rejections_total``;
+* the proxy's stranded-KV release (:meth:`RouterMetrics.stranded_kv`): ``stranded_kv_handoffs``;
+* the engine-truth scrape (:mod:`trio_pdrouter.fleet.engine_truth`): ``engine_requests``,
+  ``load_drift``, ``engine_scrape_errors_total``;
+* the resilience and routing machinery, through one method each
+  (:meth:`~RouterMetrics.breaker_state`, :meth:`~RouterMetrics.health`,
+  :meth:`~RouterMetrics.watch_admission`, :meth:`~RouterMetrics.policy_decision`).
+
+Load drift is the number to watch: it is the router's visible load (decode slots whose prefill is
+still running are left out) minus what the engine reports, per endpoint. A request in transit
+(sent, not yet seen by the engine; or finished by the engine, its end not yet read by the router)
+shows as a momentary ±1, so alert on drift that persists,
+e.g. ``min_over_time(abs(trio_pdrouter_load_drift)[1m]) > 0``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from ..endpoints import Endpoint
+from ..http import Downstream, Receive, Reply, Scope, Send, answer_lifespan, errors
+
+if TYPE_CHECKING:
+    from ..ledger import LoadLedger
+    from .record import RequestRecord
+
+#: The ``Content-Type`` of :meth:`RouterMetrics.exposition`.
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+PREFIX = "trio_pdrouter_"
+
+# Seconds; from a cached-prefix first token on a simulator up to long generations.
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+)
+
+#: ``trio_pdrouter_circuit_breaker_state`` values.
+BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
+
+
+class RouterMetrics:
+    """Every metric of one router, in its own registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._before_exposition: list[Callable[[], None]] = []
+        r = self.registry
+        p = PREFIX
+        self.requests = Counter(
+            p + "requests",
+            "Inference requests answered, by route, HTTP status, streaming and outcome"
+            " (ok, client_disconnect, upstream_error, upstream_status, timeout, no_endpoint, ...).",
+            ["route", "status", "stream", "outcome"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            p + "in_flight",
+            "Requests the router has charged to an endpoint and not yet released (the load"
+            " ledger), per endpoint and stage.",
+            ["endpoint", "stage"],
+            registry=r,
+        )
+        self.ttfb = Histogram(
+            p + "ttfb_seconds",
+            "Router-measured time from a request's arrival to the first body byte sent to the"
+            " client (streaming requests).",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            p + "request_duration_seconds",
+            "End-to-end time from a request's arrival to its last byte sent.",
+            ["route", "stream"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill_duration = Histogram(
+            p + "prefill_duration_seconds",
+            "Time of the prefill leg, from sending it to its answer (PD mode).",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decode_duration = Histogram(
+            p + "decode_duration_seconds",
+            "Time from the prefill answer to the end of the response (PD mode): the decode"
+            " leg plus the relay of its output to the client.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            p + "upstream_errors",
+            "Upstream failures by stage, endpoint and kind (connect, timeout, reset,"
+            " status_<code>, invalid).",
+            ["stage", "endpoint", "kind"],
+            registry=r,
+        )
+        self.retries = Counter(
+            p + "retries",
+            "Attempts made again after a retriable upstream failure, by route.",
+            ["route"],
+            registry=r,
+        )
+        self.breaker = Gauge(
+            p + "circuit_breaker_state",
+            "Circuit breaker state per endpoint: 0 closed, 1 half-open, 2 open.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.healthy = Gauge(
+            p + "endpoint_healthy",
+            "1 if the endpoint passes its health checks, else 0.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            p + "admission_queue_depth",
+            "Requests waiting for admission (beyond --max-concurrent-requests).",
+            registry=r,
+        )
+        self.buffered = Gauge(
+            p + "buffered_bytes",
+            "Decode output held for clients, all streams (--max-total-buffered-bytes bounds it).",
+            registry=r,
+        )
+        self.rejections = Counter(
+            p + "admission_rejections",
+            "Requests refused by admission control, by reason (queue_full, queue_timeout).",
+            ["reason"],
+            registry=r,
+        )
+        self.policy_decisions = Counter(
+            p + "policy_decisions",
+            "Routing decisions by stage and reason (cache_aware: cache_hit, cache_miss,"
+            " unbalanced, empty_text).",
+            ["stage", "reason"],
+            registry=r,
+        )
+        self.kv_tokenize = Counter(
+            p + "kv_tokenize",
+            "kv_aware: prompts' token ids by where they came from (cached, local: the router's"
+            " tokenizer, stitched: the router's, a cached shared start and the rest encoded,"
+            " engine: an engine's /tokenize) or failed (routed on the estimate).",
+            ["outcome"],
+            registry=r,
+        )
+        self.load_balance_events = Counter(
+            p + "load_balance_events",
+            "Decisions where load imbalance overrode prefix-cache affinity (cache_aware's"
+            " 'unbalanced'), by stage.",
+            ["stage"],
+            registry=r,
+        )
+        self.stranded_kv_handoffs = Counter(
+            p + "stranded_kv_handoffs",
+            "Stranded-KV hand-offs: the client left after prefill answered and before decode"
+            " did, so the router sent this decode endpoint a one-token request that pulls the"
+            " KV blocks and lets the prefill engine free them at once.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.engine_requests = Gauge(
+            p + "engine_requests",
+            "Requests an engine reports (vllm:num_requests_running/_waiting) at the last"
+            " scrape, per endpoint and state (running, waiting).",
+            ["endpoint", "state"],
+            registry=r,
+        )
+        self.load_drift = Gauge(
+            p + "load_drift",
+            "The router's load minus the engine's running+waiting requests at the last scrape,"
+            " per endpoint; persistently non-zero means a leak in the router, the engine, or"
+            " another router sharing the engine.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.engine_scrape_errors = Counter(
+            p + "engine_scrape_errors",
+            "Failed scrapes of an upstream's /metrics, by upstream URL.",
+            ["url"],
+            registry=r,
+        )
+
+        self.cluster_sync_errors = Counter(
+            p + "cluster_sync_errors",
+            "Failed exchanges with the cluster store (--cluster-url): unreachable, timed out or"
+            " a bad reply. While they fail the router routes on its own counts only.",
+            registry=r,
+        )
+        self.cluster_store_up = Gauge(
+            p + "cluster_store_up",
+            "1 if the last exchange with the cluster store succeeded, else 0.",
+            registry=r,
+        )
+        self.cluster_peers = Gauge(
+            p + "cluster_peers",
+            "Other replicas whose load snapshot the last exchange returned (live peers).",
+            registry=r,
+        )
+        self.cluster_sync_duration = Histogram(
+            p + "cluster_sync_duration_seconds",
+            "Time of one exchange with the cluster store (publish own loads, read the peers').",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+            registry=r,
+        )
+
+    # -- fed by the router itself --------------------------------------------------------------
+
+    def watch_ledger(self, ledger: LoadLedger, endpoints: list[Endpoint]) -> None:
+        """Mirror ``ledger`` into ``in_flight``: every exposition reads the ledger (with
+        ``--workers N`` the machine's), so a charge or release costs no gauge update. An
+        endpoint the ledger no longer counts shows 0."""
+        shown: set[tuple[str, str]] = {(ep.key, ep.role.value) for ep in endpoints}
+
+        def refresh() -> None:
+            now = {
+                (key, role): load
+                for role, loads in ledger.snapshot().items()
+                for key, load in loads.items()
+            }
+            shown.update(now)
+            for labels in shown:
+                self.in_flight.labels(*labels).set(now.get(labels, 0))
+
+        refresh()
+        self._before_exposition.append(refresh)
+
+    def observe_request(self, rec: RequestRecord) -> None:
+        """Account for one finished inference request."""
+        stream = "true" if rec.stream else "false"
+        self.requests.labels(rec.route, str(rec.status), stream, rec.outcome).inc()
+        if rec.total_ms is not None:
+            self.duration.labels(rec.route, stream).observe(rec.total_ms / 1000)
+        if rec.ttfb_ms is not None:
+            self.ttfb.labels(rec.route).observe(rec.ttfb_ms / 1000)
+        if rec.prefill_ms is not None:
+            self.prefill_duration.observe(rec.prefill_ms / 1000)
+            if rec.total_ms is not None:
+                self.decode_duration.observe((rec.total_ms - rec.prefill_ms) / 1000)
+        if rec.retries:
+            self.retries.labels(rec.route).inc(rec.retries)
+        if rec.rejection is not None:
+            self.rejections.labels(rec.rejection).inc()
+        for stage, endpoint, kind in rec.upstream_errors:
+            self.upstream_errors.labels(stage, endpoint, kind).inc()
+
+    def engine_seen(self, endpoint: str, running: int, waiting: int, drift: int) -> None:
+        """One endpoint's scraped engine state and the drift computed from it."""
+        self.engine_requests.labels(endpoint, "running").set(running)
+        self.engine_requests.labels(endpoint, "waiting").set(waiting)
+        self.load_drift.labels(endpoint).set(drift)
+
+    def engine_unknown(self, endpoint: str) -> None:
+        """Drop an endpoint's engine series: its last scrape failed, old numbers would lie."""
+        for state in ("running", "waiting"):
+            _remove(self.engine_requests, endpoint, state)
+        _remove(self.load_drift, endpoint)
+
+    def engine_scrape_failed(self, url: str) -> None:
+        self.engine_scrape_errors.labels(url).inc()
+
+    # -- hooks for the resilience and routing machinery ----------------------------------------
+
+    def cluster_synced(self, peers: int, seconds: float) -> None:
+        self.cluster_store_up.set(1)
+        self.cluster_peers.set(peers)
+        self.cluster_sync_duration.observe(seconds)
+
+    def cluster_sync_failed(self) -> None:
+        self.cluster_sync_errors.inc()
+        self.cluster_store_up.set(0)
+
+    def breaker_state(self, endpoint: str, state: str) -> None:
+        """``endpoint``'s breaker entered ``state``: one of :data:`BREAKER_STATES`.
+
+        The circuit breakers call it on every transition."""
+        self.breaker.labels(endpoint).set(BREAKER_STATES[state])
+
+    def health(self, endpoint: str, healthy: bool) -> None:
+        """The health checker calls it when ``endpoint`` changes state."""
+        self.healthy.labels(endpoint).set(1 if healthy else 0)
+
+    def watch_admission(self, queued: Callable[[], int]) -> None:
+        """Report the admission queue's depth, read at every scrape."""
+        self.queue_depth.set_function(queued)
+
+    def watch_buffers(self, total: Callable[[], int]) -> None:
+        """Report the bytes held for clients, read at every scrape."""
+        self.buffered.set_function(total)
+
+    def policy_decision(self, stage: str, reason: str) -> None:
+        """A policy chose an endpoint for ``stage`` because of ``reason``; ``unbalanced`` is
+        also a load-balance event.
+
+        ``cache_aware`` calls it for every decision."""
+        self.policy_decisions.labels(stage, reason).inc()
+        if reason == "unbalanced":
+            self.load_balance_events.labels(stage).inc()
+
+    def tokenized(self, outcome: str) -> None:
+        """``kv_aware`` got a prompt's token ids (``cached``, ``local``, ``stitched``,
+        ``engine``) or did not (``failed``)."""
+        self.kv_tokenize.labels(outcome).inc()
+
+    def stranded_kv(self, decode: Endpoint) -> None:
+        """``decode`` was sent a request that pulls a departed client's KV blocks."""
+        self.stranded_kv_handoffs.labels(decode.key).inc()
+
+    # -- exposition ----------------------------------------------------------------------------
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus text format (content type :data:`CONTENT_TYPE`)."""
+        for refresh in self._before_exposition:
+            refresh()
+        return generate_latest(self.registry)
+
+
+def _remove(metric: Gauge, *labels: str) -> None:
+    with contextlib.suppress(KeyError):  # never set: older prometheus-client versions raise
+        metric.remove(*labels)
+
+
+class MetricsApp:
+    """An ASGI app serving only ``GET /metrics``: the separate ``--prometheus-port`` listener."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await answer_lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        if scope["path"] != "/metrics":
+            reply = Reply.error(errors.not_found(scope["path"]))
+        elif scope["method"] != "GET":
+            reply = Reply.error(errors.method_not_allowed(scope["method"], scope["path"]))
+        else:
+            body = self._metrics.exposition()
+            reply = Reply(200, [(b"content-type", CONTENT_TYPE.encode())], body)
+        await Downstream(send).finish(reply)

@@ -1,0 +1,73 @@
+"""What happened to one request, as the access log and the metrics see it.
+
+A :class:`RequestRecord` is made once, when a request ends (:meth:`Request.record
+<trio_pdrouter.serve.request.Request.record>`, or the app for a request refused before it was
+parsed), from the request's final state; nothing writes to it while the request runs. It feeds
+:func:`access_line` and :meth:`RouterMetrics.observe_request
+<trio_pdrouter.observe.metrics.RouterMetrics.observe_request>`.
+"""
+
+from __future__ import annotations
+
+import attrs
+import orjson
+
+
+@attrs.define
+class RequestRecord:
+    """What happened to one request."""
+
+    request_id: str
+    route: str
+    stream: bool
+    started: float
+    prefill: str | None = None
+    decode: str | None = None
+    status: int = 0
+    #: See :func:`trio_pdrouter.serve.lifecycle.outcome`; ``bad_request`` for a request refused
+    #: before it was parsed.
+    outcome: str = "ok"
+    prefill_ms: float | None = None
+    ttfb_ms: float | None = None
+    total_ms: float | None = None
+    bytes_out: int = 0
+    retries: int = 0
+    #: Why admission refused it (``queue_full``, ``queue_timeout``), if it did.
+    rejection: str | None = None
+    #: Every upstream failure seen, as (stage, endpoint key, kind); kind is ``connect``,
+    #: ``timeout``, ``reset``, ``status_<code>`` or ``invalid``.
+    upstream_errors: list[tuple[str, str, str]] = attrs.Factory(list)
+    #: ``kv_aware``'s view of its choice: blocks matched/total and whether the state was known.
+    kv: str | None = None
+
+
+def access_line(rec: RequestRecord) -> str:
+    """The access log line of one request: ``key=value`` pairs, ``-`` for what did not happen,
+    values with spaces, quotes or ``=`` in JSON quotes."""
+    fields = (
+        ("request_id", _quoted(rec.request_id)),
+        ("route", rec.route),
+        ("stream", "true" if rec.stream else "false"),
+        ("prefill", rec.prefill or "-"),
+        ("decode", rec.decode or "-"),
+        ("status", str(rec.status)),
+        ("outcome", rec.outcome),
+        ("prefill_ms", _ms(rec.prefill_ms)),
+        ("ttfb_ms", _ms(rec.ttfb_ms)),
+        ("total_ms", _ms(rec.total_ms)),
+        ("bytes", str(rec.bytes_out)),
+        ("retries", str(rec.retries)),
+    )
+    line = " ".join(f"{key}={value}" for key, value in fields)
+    return f"{line} kv={rec.kv}" if rec.kv is not None else line
+
+
+def _quoted(value: str) -> str:
+    # Request ids come from clients: keep the line splittable on spaces whatever they send.
+    if value and all(c.isprintable() and not c.isspace() and c not in '"=' for c in value):
+        return value
+    return orjson.dumps(value).decode()
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
