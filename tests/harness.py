@@ -16,9 +16,9 @@ import orjson
 import trio
 
 from trio_pdrouter.app import RouterApp
+from trio_pdrouter.assemble import build_app
 from trio_pdrouter.config import RouterConfig
 from trio_pdrouter.http import LegClient
-from trio_pdrouter.server import build_app
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 

@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 import trio
 
-from trio_pdrouter import cli, server
-from trio_pdrouter import collector as heap
+from trio_pdrouter import cli, collector, server
 from trio_pdrouter.config import RouterConfig, ServerSettings
 from trio_pdrouter_sim import SimConfig
 from trio_pdrouter_sim.server import SimServer
@@ -19,19 +18,19 @@ from trio_pdrouter_sim.server import SimServer
 # Run in a process of its own: settling changes the collector of the whole process.
 _SETTLE = """
 import gc, weakref
-from trio_pdrouter import collector as heap
+from trio_pdrouter import collector
 
 class Node:
     pass
 
 early = [Node() for _ in range(100)]
-heap.settle()
+collector.settle()
 frozen = gc.get_freeze_count()
 cycle = Node()
 cycle.self = cycle
 dead = weakref.ref(cycle)
 del cycle
-churn = [[] for _ in range(2 * heap.YOUNG_THRESHOLD)]  # allocations only, no gc.collect()
+churn = [[] for _ in range(2 * collector.YOUNG_THRESHOLD)]  # allocations only, no gc.collect()
 print(frozen, gc.get_threshold(), dead() is None)
 """
 
@@ -42,7 +41,7 @@ def test_settle_freezes_what_lives_and_still_frees_cycles_made_later() -> None:
     ).stdout.split(maxsplit=1)
     frozen, rest = int(out[0]), out[1]
     assert frozen > 100, "what was alive went to the permanent generation"
-    threshold = (heap.YOUNG_THRESHOLD, heap.OLDER_THRESHOLD, heap.OLDER_THRESHOLD)
+    threshold = (collector.YOUNG_THRESHOLD, collector.OLDER_THRESHOLD, collector.OLDER_THRESHOLD)
     assert rest.strip() == f"{threshold} True", "a later cycle is freed by a young collection"
 
 

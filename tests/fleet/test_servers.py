@@ -13,6 +13,7 @@ import trio.testing
 
 from tests.harness import pd_config
 from trio_pdrouter.app import RouterApp
+from trio_pdrouter.assemble import build_app
 from trio_pdrouter.config import AdmissionSettings, BreakerSettings, HealthSettings
 from trio_pdrouter.endpoints import Role
 from trio_pdrouter.fleet import Breakers, DuplicateServer, Fleet, HealthBoard
@@ -28,7 +29,6 @@ from trio_pdrouter.serve import (
     PrefillLeg,
     Proxy,
 )
-from trio_pdrouter.server import build_app
 
 
 @attrs.define

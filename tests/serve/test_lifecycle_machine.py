@@ -52,11 +52,11 @@ from hypothesis.stateful import (
 
 from tests.harness import KV, Exchange, ScriptedBody, ScriptedUpstream, call
 from trio_pdrouter.app import RouterApp
+from trio_pdrouter.assemble import build_app
 from trio_pdrouter.config import RetrySettings, RouterConfig, Timeouts
 from trio_pdrouter.http import DONE, LegClient, client_timeout
 from trio_pdrouter.http import connection as client_connection
 from trio_pdrouter.serve import KvOwner, Phase, StallWatch, successors
-from trio_pdrouter.server import build_app
 
 T = TypeVar("T")
 
