@@ -19,6 +19,7 @@ from trio_pdrouter.app import RouterApp
 from trio_pdrouter.assemble import build_app
 from trio_pdrouter.config import RouterConfig
 from trio_pdrouter.http import LegClient
+from trio_pdrouter.transport import SEND_SIDE
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 
@@ -87,7 +88,15 @@ class ScriptedUpstream(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         await request.aread()
         self.requests.append(request)
-        response = await self.handler(request)
+        side = request.extensions.get(SEND_SIDE)
+        if side is not None:
+            side.written = True  # the engine has the whole request, as a real transport reports
+        try:
+            response = await self.handler(request)
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            if side is not None:
+                side.written = False  # a connection never made carried nothing
+            raise
         if isinstance(response.stream, ScriptedBody):
             self.bodies.append(response.stream)
         return response

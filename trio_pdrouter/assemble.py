@@ -183,7 +183,12 @@ def build_app(
         admission=admission,
         outcomes=breakers,
         prefill=PrefillLeg(
-            client, t.prefill_limit, config.upstream_api_key, config.max_upstream_answer_bytes
+            client,
+            t.prefill_limit,
+            config.upstream_api_key,
+            config.max_upstream_answer_bytes,
+            grace=t.prefill_grace,
+            on_late_answer=metrics.late_prefill_answer,
         ),
         buffered=BufferedDecode(client, t.first_byte_limit, config.max_upstream_answer_bytes),
         relay=relay,
@@ -194,6 +199,7 @@ def build_app(
             limit=t.first_byte_limit,
             upstream_api_key=config.upstream_api_key,
             on_reclaim=metrics.stranded_kv,
+            on_refused=metrics.stranded_kv_refused_by,
         ),
         rng=rng,
     )

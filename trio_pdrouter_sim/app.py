@@ -25,6 +25,7 @@ Routes:
 ``GET/POST/DELETE /sim/faults``  armed faults (see :mod:`trio_pdrouter_sim.faults`)
 ``POST /sim/down``         close the listener (``{"seconds": S}``: reopen after S s)
 ``POST /sim/kv/pull``      NIXL stand-in, called by decode simulators
+``POST /sim/kv/free``      a decode aborted before its read: free the blocks (:mod:`.kv`)
 ``POST /tokenize``         vLLM's tokenizer: ``{prompt}`` or ``{messages}`` -> ``{tokens}``
 ``GET/POST /sim/kv/events``  KV-event publishers per rank (blocks held, next seq); POST
                            ``{"drop": N}`` or ``{"restart": true}`` (see :mod:`.kv_events`)
@@ -49,7 +50,7 @@ from . import netinfo, responses_api, shapes
 from .config import SimConfig
 from .engine import Engine, block_hashes
 from .faults import FaultBook, FaultPlan, plan_for
-from .kv import PULL_PATH, KvStore, pull_remote
+from .kv import FREE_PATH, PULL_PATH, KvStore, pull_remote
 from .kv_events import KvPublishers
 from .requests import BadRequest, GenRequest, Kind, parse_request, tokenize
 
@@ -158,7 +159,9 @@ class SimState:
           down while running), ``pd_ok`` (KV pulled from a prefill server), ``pd_missing``
           (a decode server prefilled itself: no, invalid or unpullable ``kv_transfer_params``),
           ``kv_blocks_held`` (prefill side, awaiting a pull), ``kv_blocks_leaked`` (freed by
-          the timeout), ``prefix_cache_hits`` / ``prefix_cache_queries`` (in tokens, like
+          the timeout: stranded), ``kv_blocks_freed`` (freed because the decode request was
+          aborted before it read them), ``kv_second_pulls`` (pulls of blocks already pulled,
+          freed or expired), ``prefix_cache_hits`` / ``prefix_cache_queries`` (in tokens, like
           vLLM's counters), ``requests`` (that reached the engine; 4xx and ``error:`` faults
           do not), plus ``prompt_tokens``, ``generation_tokens``, ``kv_cache_usage_perc``;
         * ``totals``: the same counters summed over engines;
@@ -373,6 +376,7 @@ class SimApp:
             "/tokenize": {"POST": self._tokenize},
             "/sim/kv/events": {"GET": self._kv_events_get, "POST": self._kv_events_post},
             PULL_PATH: {"POST": self._kv_pull},
+            FREE_PATH: {"POST": self._kv_free},
         }
         by_method = routes.get(path)
         if by_method is None:
@@ -518,6 +522,16 @@ class SimApp:
         else:
             await _send_json(send, 200, {"blocks": len(hold.block_ids)})
 
+    async def _kv_free(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._json_body(receive)
+        if not isinstance(body, dict) or not isinstance(body.get("remote_request_id"), str):
+            raise BadRequest("expected remote_request_id", param="remote_request_id")
+        hold = self.state.kv.free(body["remote_request_id"])
+        if hold is None:
+            await _send_json(send, 404, shapes.error_body(404, "no such KV hold"))
+        else:
+            await _send_json(send, 200, {"blocks": len(hold.block_ids)})
+
     # -- generation ------------------------------------------------------------------------
 
     async def _generate(self, kind: Kind, scope: Scope, receive: Receive, send: Send) -> None:
@@ -649,7 +663,13 @@ class SimApp:
         cfg = self.state.config
         n_prompt = len(req.prompt)
         blocks = math.ceil(n_prompt / cfg.block_size)
-        await engine.acquire()
+        read = False  # whether this request started reading its remote KV, if it has any
+        try:
+            await engine.acquire()
+        except BaseException:  # aborted while waiting to be scheduled (trio may group it)
+            engine.counters.aborted += 1
+            await self._free_remote(req)
+            raise
         engine.kv_blocks_active += blocks
         completed = False
         try:
@@ -673,8 +693,11 @@ class SimApp:
                     if remote.request_id is not None
                     else False
                 )
+                read = True  # from here an abort lets the read end, which frees the blocks
             if pulled:
                 engine.counters.pd_ok += 1
+                if cfg.kv_transfer_s > 0:
+                    await trio.sleep(cfg.kv_transfer_s)
             elif (
                 req.remote_prefill is not None
                 or req.remote_prefill_invalid
@@ -695,7 +718,25 @@ class SimApp:
             completed = True
             return result
         finally:
+            if not completed and not read:  # scheduled, ended before its read began
+                await self._free_remote(req)
             engine.release(completed=completed, blocks=blocks)
+
+    async def _free_remote(self, req: GenRequest) -> None:
+        """A decode request aborted before it read its remote KV tells the prefill to free the
+        blocks, as vLLM's NIXL connector does (:mod:`.kv`); shielded: it runs as the request is
+        being cancelled."""
+        remote = req.remote_prefill
+        if remote is None or remote.request_id is None:
+            return
+        with trio.CancelScope(shield=True):
+            await pull_remote(
+                remote.host,
+                remote.port,
+                {"remote_request_id": remote.request_id},
+                self.state.config.kv_pull_timeout_s,
+                FREE_PATH,
+            )
 
     async def _stall_or_reset(self, plan: FaultPlan, position: int) -> None:
         if plan.stall_after == position:

@@ -152,6 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"itself (default {d.kv_pull_timeout_s})",
     )
     p.add_argument(
+        "--kv-transfer",
+        dest="kv_transfer_s",
+        type=float,
+        default=d.kv_transfer_s,
+        help="seconds a decode engine's KV read takes once the request is scheduled; the first"
+        f" output comes after it (default {d.kv_transfer_s})",
+    )
+    p.add_argument(
         "--stop-rate",
         type=float,
         default=d.stop_rate,

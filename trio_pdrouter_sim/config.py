@@ -74,6 +74,8 @@ class SimConfig:
     tokenizer: str | None = None
     kv_timeout_s: float = attrs.field(default=30.0, validator=_non_negative)
     kv_pull_timeout_s: float = attrs.field(default=5.0, validator=_non_negative)
+    #: Decode side: seconds a KV read takes once the request is scheduled (the NIXL transfer).
+    kv_transfer_s: float = attrs.field(default=0.0, validator=_non_negative)
     stop_rate: float = attrs.field(default=0.0, validator=_probability)
     eos_rate: float = attrs.field(default=0.0, validator=_probability)
     seed: int | None = None

@@ -130,6 +130,8 @@ class EngineCounters:
     pd_ok: int = 0
     pd_missing: int = 0
     kv_blocks_leaked: int = 0
+    kv_blocks_freed: int = 0
+    kv_second_pulls: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_queries: int = 0
     requests: int = 0
@@ -181,7 +183,11 @@ class Engine:
         self.counters.requests += 1
         if self.running < self.config.max_num_seqs and not self._waiters:
             self._start_running()
-            await trio.lowlevel.checkpoint()
+            try:
+                await trio.lowlevel.checkpoint()
+            except BaseException:  # cancelled as it started: the slot goes back
+                self._free_slot()
+                raise
             return
         waiter = _Waiter()
         self._waiters.append(waiter)
@@ -253,6 +259,8 @@ class Engine:
             "pd_missing": c.pd_missing,
             "kv_blocks_held": self.kv_blocks_held,
             "kv_blocks_leaked": c.kv_blocks_leaked,
+            "kv_blocks_freed": c.kv_blocks_freed,
+            "kv_second_pulls": c.kv_second_pulls,
             "prefix_cache_hits": c.prefix_cache_hits,
             "prefix_cache_queries": c.prefix_cache_queries,
             "requests": c.requests,

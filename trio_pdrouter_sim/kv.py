@@ -9,6 +9,15 @@ simulator sends ``POST /sim/kv/pull`` to ``remote_host:remote_port`` with
 answers 200 ``{"blocks": n}`` and frees the blocks, or 404 when it holds nothing under that id
 (never sent, already pulled, or expired). Expired holds count as ``kv_blocks_leaked``.
 
+The ends of a decode request, as vLLM's NIXL connector has them
+(``NixlConnectorScheduler.request_finished`` on the decode side; the pull scheduler in newer
+versions): a decode request that received its ``kv_transfer_params`` and is aborted before it
+read the blocks (still waiting to be scheduled) tells the prefill to free them, here
+``POST /sim/kv/free`` (``kv_blocks_freed``); one aborted while reading lets the read finish,
+which frees them as a pull does. A pull of blocks this server held once and let go of (pulled,
+freed or expired) is a second read of block ids that may hold another request's KV now: it fails
+(404) and counts as ``kv_second_pulls`` on the engine that held them.
+
 The pull is one HTTP/1.1 request on a fresh connection (h11 over ``trio.open_tcp_stream``),
 bounded by a timeout: no pool whose behaviour under load could distort a benchmark.
 """
@@ -16,6 +25,7 @@ bounded by a timeout: no pool whose behaviour under load could distort a benchma
 from __future__ import annotations
 
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 import attrs
@@ -26,6 +36,9 @@ import trio
 from .engine import Engine
 
 PULL_PATH = "/sim/kv/pull"
+FREE_PATH = "/sim/kv/free"
+#: Ids of holds let go of, remembered to tell a second pull from a pull of nothing.
+ENDED_REMEMBERED = 100_000
 
 
 @attrs.define
@@ -46,6 +59,8 @@ class KvStore:
         self.timeout_s = timeout_s
         self._holds: dict[str, Hold] = {}
         self._next_block: dict[int, int] = {}
+        #: Holds let go of (pulled, freed or expired): request id -> the engine that held them.
+        self._ended: OrderedDict[str, Engine] = OrderedDict()
 
     def engine_id(self, engine: Engine) -> str:
         """The ``remote_engine_id`` this server advertises for ``engine``."""
@@ -68,26 +83,49 @@ class KvStore:
     async def _expire(self, hold: Hold) -> None:
         with hold.expiry:
             await trio.sleep(self.timeout_s)
-            if self._holds.pop(hold.request_id, None) is not None:
-                hold.engine.kv_blocks_held -= len(hold.block_ids)
+            if self._end(hold.request_id) is not None:
                 hold.engine.counters.kv_blocks_leaked += len(hold.block_ids)
 
     def pull(self, request_id: str, engine_id: str | None) -> Hold | None:
-        """Release the hold ``request_id`` (the decode side read it); None if there is none."""
+        """Release the hold ``request_id`` (the decode side read it); None if there is none, a
+        second pull counted when it was held once."""
         hold = self._holds.get(request_id)
-        if hold is None or (engine_id is not None and engine_id != self.engine_id(hold.engine)):
+        if hold is None:
+            ended = self._ended.get(request_id)
+            if ended is not None:
+                ended.counters.kv_second_pulls += 1
             return None
-        del self._holds[request_id]
+        if engine_id is not None and engine_id != self.engine_id(hold.engine):
+            return None
+        return self._end(request_id)
+
+    def free(self, request_id: str) -> Hold | None:
+        """The decode side was aborted before it read hold ``request_id``: free its blocks."""
+        hold = self._end(request_id)
+        if hold is not None:
+            hold.engine.counters.kv_blocks_freed += len(hold.block_ids)
+        return hold
+
+    def _end(self, request_id: str) -> Hold | None:
+        hold = self._holds.pop(request_id, None)
+        if hold is None:
+            return None
         hold.engine.kv_blocks_held -= len(hold.block_ids)
         hold.expiry.cancel()
+        self._ended[request_id] = hold.engine
+        if len(self._ended) > ENDED_REMEMBERED:
+            self._ended.popitem(last=False)
         return hold
 
     def __len__(self) -> int:
         return len(self._holds)
 
 
-async def pull_remote(host: str, port: int, payload: dict[str, Any], timeout_s: float) -> bool:
-    """Ask the prefill server at ``host:port`` for the blocks in ``payload``.
+async def pull_remote(
+    host: str, port: int, payload: dict[str, Any], timeout_s: float, path: str = PULL_PATH
+) -> bool:
+    """Ask the prefill server at ``host:port`` for the blocks in ``payload`` (``path``
+    :data:`FREE_PATH`: tell it to free them instead).
 
     True when it answered 200. Any failure (refused, reset, timeout, 404) is False: the caller
     then prefills locally, as vLLM's decode side recomputes when a KV transfer fails.
@@ -96,7 +134,7 @@ async def pull_remote(host: str, port: int, payload: dict[str, Any], timeout_s: 
     conn = h11.Connection(h11.CLIENT)
     request = h11.Request(
         method="POST",
-        target=PULL_PATH,
+        target=path,
         headers=[
             ("Host", f"{host}:{port}"),
             ("Content-Type", "application/json"),

@@ -179,7 +179,7 @@ def test_the_proxy_cannot_be_built_without_a_reclaimer() -> None:
             routing=r.routing,
             admission=Admission(AdmissionSettings()),
             outcomes=r.breakers,
-            prefill=PrefillLeg(client, 1.0, None, 1 << 20),
+            prefill=PrefillLeg(client, 1.0, None, 1 << 20, grace=0.0, on_late_answer=lambda: None),
             buffered=BufferedDecode(client, 1.0, 1 << 20),
             relay=DecodeRelay(
                 client,

@@ -87,7 +87,10 @@ async def test_decode_failing_before_its_head_is_retried_with_the_same_blocks() 
         nursery.cancel_scope.cancel()
 
 
-async def test_a_stream_left_after_its_head_before_its_first_event_frees_the_blocks() -> None:
+async def test_a_stream_left_while_decode_waits_is_freed_by_decode_not_reclaimed() -> None:
+    """vLLM's connector frees a prefill's blocks when the decode that received them is aborted
+    before it read them: the router, which sent decode the whole request, reclaims nothing
+    (a reclaim would be a second pull)."""
     async with trio.open_nursery() as nursery:
         c = await start_cluster(
             nursery,
@@ -102,11 +105,12 @@ async def test_a_stream_left_after_its_head_before_its_first_event_frees_the_blo
             await chunks.__anext__()  # the blocker runs
             async with c.client.stream("POST", c.url + "/v1/completions", json=body) as resp:
                 assert resp.status_code == 200  # the head: decode has not scheduled it
-            # The client left; the reclaim now waits behind the blocker, which leaves too.
+            # The client left: decode aborts the waiting request, which frees the blocks.
         await kv_settled(c)
-        decode = await totals(c, "decode")
-        # The blocker pulled its blocks; the stream that left never did; its reclaim did.
-        assert (decode["pd_ok"], decode["pd_missing"]) == (2, 0), decode
+        decode, prefill = await totals(c, "decode"), await totals(c, "prefill")
+        # The blocker pulled its blocks; the stream that left never read them, nor did a reclaim.
+        assert (decode["pd_ok"], decode["pd_missing"]) == (1, 0), decode
+        assert prefill["kv_blocks_freed"] > 0 and prefill["kv_second_pulls"] == 0, prefill
         nursery.cancel_scope.cancel()
 
 

@@ -719,15 +719,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             return None
         if prefills[-1].decision == "ok_no_kv":
             return KvOwner.NONE
-        # When decode has taken the blocks (trio_pdrouter.serve.lifecycle): a stream at its first
-        # event, a non-streaming request once sent.
-        if req.stream and last.sent == 0:
-            return KvOwner.PREFILL
-        if req.stream and not req.exchange.draining.is_set() and req.exchange.chunks == 0:
-            # The client holds the head's send, so the request's task has not read the first
-            # event yet (trio_pdrouter.serve.relay: it does once the send returns or a reader takes
-            # over). A real server's head send does not block: the connection's buffer is empty.
-            return None
+        # Decode has taken the blocks once its request was written whole, streaming or not
+        # (trio_pdrouter.serve.lifecycle): the scripted engine has it once the call exists.
         return KvOwner.DECODE
 
     @invariant()

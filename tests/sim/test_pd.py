@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import httpx
@@ -99,9 +100,67 @@ async def test_prefill_then_decode_pulls_kv() -> None:
         pt = await totals(p)
         assert (pt["kv_blocks_held"], pt["kv_blocks_leaked"], pt["completed"]) == (0, 0, 1)
 
-        # The same params again: the blocks are gone, so decode prefills itself.
+        # The same params again: the blocks are gone, so decode prefills itself, and the
+        # prefill counts a second pull of blocks it let go of.
         await d.post("/v1/completions", json={"prompt": PROMPT, "kv_transfer_params": kv})
         assert (await totals(d))["pd_missing"] == 1
+        pt = await totals(p)
+        assert (pt["kv_second_pulls"], pt["kv_blocks_freed"]) == (1, 0)
+
+
+async def decode_stream_until_head(
+    d: httpx.AsyncClient, kv: dict[str, Any], headers: dict[str, str] | None = None
+) -> None:
+    """Send a streaming decode leg and leave as soon as its head arrived (the connection is
+    closed: the simulator aborts the request)."""
+    body = {"prompt": PROMPT, "max_tokens": 5, "stream": True, "kv_transfer_params": kv}
+    async with d.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
+        assert resp.status_code == 200
+
+
+async def test_a_decode_aborted_before_it_is_scheduled_frees_the_prefill_blocks() -> None:
+    # One slot, taken by a long request: the decode leg waits to be scheduled, gets its head
+    # (vLLM sends it before the engine has the request) and is aborted there.
+    async with pd_pair(decode={"max_num_seqs": 1, "itl_base_s": 0.05}) as (p, d):
+        kv = (await prefill_leg(p))["kv_transfer_params"]
+        async with trio.open_nursery() as nursery:
+            long = {"prompt": PROMPT, "max_tokens": 40, "stream": False}
+            nursery.start_soon(partial(d.post, "/v1/completions", json=long))
+            await wait_totals(d, lambda t: t["running"] == 1)
+            await decode_stream_until_head(d, kv)
+            await wait_totals(p, lambda t: t["kv_blocks_held"] == 0)
+            nursery.cancel_scope.cancel()
+        pt = await totals(p)
+        assert pt["kv_blocks_freed"] == len(kv["remote_block_ids"])
+        assert (pt["kv_blocks_leaked"], pt["kv_second_pulls"]) == (0, 0)
+        # A reclaim now, as a router that thought it still owned the blocks would send, is a
+        # second pull.
+        await d.post("/v1/completions", json={"prompt": PROMPT, "kv_transfer_params": kv})
+        assert (await totals(p))["kv_second_pulls"] == 1
+
+
+async def test_a_decode_aborted_while_reading_lets_the_read_free_the_blocks() -> None:
+    async with pd_pair(decode={"kv_transfer_s": 5}) as (p, d):
+        kv = (await prefill_leg(p))["kv_transfer_params"]
+        body = {"prompt": PROMPT, "max_tokens": 5, "stream": True, "kv_transfer_params": kv}
+        async with d.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            await wait_totals(d, lambda t: t["pd_ok"] == 1)  # the read is under way: leave
+        await wait_totals(d, lambda t: t["aborted"] == 1)
+        pt = await totals(p)
+        assert (pt["kv_blocks_held"], pt["kv_blocks_freed"], pt["kv_second_pulls"]) == (0, 0, 0)
+        assert (await totals(d))["pd_ok"] == 1
+
+
+async def test_the_first_output_comes_a_kv_transfer_after_the_head() -> None:
+    async with pd_pair(decode={"kv_transfer_s": 0.2}) as (p, d):
+        kv = (await prefill_leg(p))["kv_transfer_params"]
+        body = {"prompt": PROMPT, "max_tokens": 2, "stream": True, "kv_transfer_params": kv}
+        async with d.stream("POST", "/v1/completions", json=body) as resp:
+            head_at = trio.current_time()
+            async for _chunk in resp.aiter_bytes():
+                break
+            assert trio.current_time() - head_at >= 0.2
 
 
 async def test_chat_prefill_leg_has_kv_params() -> None:

@@ -145,6 +145,32 @@ class Timeouts:
         ),
         check=positive,
     )
+    prefill_grace: float = setting(
+        1.0,
+        Flag(
+            "--prefill-answer-grace-secs",
+            Group.REQUESTS,
+            "a client that leaves while the prefill leg is out: stop sending to the prefill"
+            " engine (it aborts a prefill still running), but read this long an answer already"
+            " on its way, so its KV blocks are reclaimed instead of stranded; 0: close at once",
+            type=float,
+        ),
+        check=must(lambda v: v >= 0, "must be 0 (close at once) or more"),
+    )
+    prefill_kv_hold: float = setting(
+        20.0,
+        Flag(
+            "--prefill-kv-hold-secs",
+            Group.REQUESTS,
+            "how long a prefill engine can be counted on to hold a request's KV blocks for its"
+            " decode (vLLM's NIXL lease is 30 s, its older abort timeout 120-480 s): a decode"
+            " retry reuses them, and a departed client's are reclaimed, only within this time"
+            " of the prefill's answer; later, a retry runs a fresh prefill and the blocks are"
+            " left to the engine",
+            type=float,
+        ),
+        check=positive,
+    )
     connect: float = setting(
         10.0,
         Flag(

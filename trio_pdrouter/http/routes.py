@@ -38,9 +38,6 @@ class Route:
     required: tuple[str, ...] = ()
     #: A stream's last event is ``data: [DONE]``; a stream that ends without it was cut short.
     ends_with_done: bool = True
-    #: Bytes found in a stream's error event and in none of its output events. (A Responses
-    #: stream's response objects all carry ``"error": null``; its errors are ``event: error``.)
-    error_marker: bytes = b'"error"'
 
 
 ROUTES: dict[str, Route] = {
@@ -48,7 +45,7 @@ ROUTES: dict[str, Route] = {
     for route in (
         Route("/v1/completions", True, ("prompt",)),
         Route("/v1/chat/completions", True, ("messages",)),
-        Route(RESPONSES, True, ("input",), ends_with_done=False, error_marker=b"event: error"),
+        Route(RESPONSES, True, ("input",), ends_with_done=False),
         Route(GENERATE, True, ("token_ids",)),
         Route("/v1/rerank", False, ("query", "documents")),
         Route("/rerank", False, ("query", "documents")),

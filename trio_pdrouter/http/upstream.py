@@ -24,7 +24,7 @@ import attrs
 import httpx
 
 from ..config import RouterConfig, Timeouts
-from ..transport import H11Transport, body_chunks
+from ..transport import SEND_SIDE, H11Transport, SendSide, body_chunks
 
 
 def client_timeout(t: Timeouts) -> httpx.Timeout:
@@ -65,11 +65,13 @@ class LegClient(httpx.AsyncClient):
         content: bytes,
         headers: dict[bytes, bytes],
         limits: dict[str, float | None] | None = None,
+        side: SendSide | None = None,
     ) -> httpx.Response:
         """POST ``content`` to ``url`` with ``headers`` (and ``Host``, ``Content-Length``);
         returns once the answer's head has arrived. The caller reads its body to the end or
         closes it. ``limits``: an ``httpx.Timeout.as_dict()`` made once by the caller; the
-        client's if not given."""
+        client's if not given. ``side``: the request's sending side (written yet; a
+        half-close), see :class:`~trio_pdrouter.transport.SendSide`."""
         target = self._leg_urls.get(url)
         if target is None:
             if len(self._leg_urls) >= URLS_KEPT:
@@ -88,8 +90,12 @@ class LegClient(httpx.AsyncClient):
             stream=httpx.ByteStream(content),
             extensions={"timeout": self._leg_timeout if limits is None else limits},
         )
+        if side is not None:
+            request.extensions[SEND_SIDE] = side
         request.read()  # the body is in memory: ``request.content`` works as httpx's does
         response = await self._leg_transport.handle_async_request(request)
+        if side is not None:
+            side.written = True  # a head answers a request the server has read
         response.request = request
         return response
 
@@ -114,13 +120,15 @@ async def post_capped(
     content: bytes,
     headers: dict[bytes, bytes],
     cap: int,
+    side: SendSide | None = None,
 ) -> Answer:
-    """POST and read the whole answer, but never more than ``cap`` bytes of it.
+    """POST and read the whole answer, but never more than ``cap`` bytes of it (``side``: as
+    :meth:`LegClient.open_post`'s).
 
     Raises :class:`AnswerTooLarge` past the cap (the connection is closed, not drained), or
     what httpx raises.
     """
-    resp = await client.open_post(url, content, headers)
+    resp = await client.open_post(url, content, headers, side=side)
     try:
         body = await read_capped(resp, cap)
     finally:

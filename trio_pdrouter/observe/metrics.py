@@ -11,7 +11,10 @@ What feeds each metric:
   :class:`~trio_pdrouter.observe.record.RequestRecord`): ``requests_total``, ``ttfb_seconds``,
   ``request_duration_seconds``, ``prefill_duration_seconds``, ``decode_duration_seconds``,
   ``upstream_errors_total``, ``retries_total``, ``admission_rejections_total``;
-* the proxy's stranded-KV release (:meth:`RouterMetrics.stranded_kv`): ``stranded_kv_handoffs``;
+* the proxy's stranded-KV release (:meth:`RouterMetrics.stranded_kv`,
+  :meth:`~RouterMetrics.stranded_kv_refused_by`, :meth:`~RouterMetrics.late_prefill_answer`):
+  ``stranded_kv_handoffs``, ``stranded_kv_refused_total``,
+  ``prefill_answers_after_client_left_total``;
 * the engine-truth scrape (:mod:`trio_pdrouter.fleet.engine_truth`): ``engine_requests``,
   ``load_drift``, ``engine_scrape_errors_total``;
 * the resilience and routing machinery, through one method each
@@ -192,6 +195,19 @@ class RouterMetrics:
             ["endpoint"],
             registry=r,
         )
+        self.stranded_kv_refused = Counter(
+            p + "stranded_kv_refused_total",
+            "Reclaims of stranded KV blocks that the decode endpoint answered with an error"
+            " status: the blocks stay on the prefill engine until its KV timeout or lease.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.late_prefill_answers = Counter(
+            p + "prefill_answers_after_client_left_total",
+            "Prefill answers read after the client had left (during the prefill answer grace):"
+            " their KV blocks were reclaimed instead of stranded.",
+            registry=r,
+        )
         self.engine_requests = Gauge(
             p + "engine_requests",
             "Requests an engine reports (vllm:num_requests_running/_waiting) at the last"
@@ -338,6 +354,14 @@ class RouterMetrics:
     def stranded_kv(self, decode: Endpoint) -> None:
         """``decode`` was sent a request that pulls a departed client's KV blocks."""
         self.stranded_kv_handoffs.labels(decode.key).inc()
+
+    def stranded_kv_refused_by(self, decode: Endpoint) -> None:
+        """``decode`` answered a reclaim with an error status."""
+        self.stranded_kv_refused.labels(decode.key).inc()
+
+    def late_prefill_answer(self) -> None:
+        """A prefill answer was read after its client left."""
+        self.late_prefill_answers.inc()
 
     # -- exposition ----------------------------------------------------------------------------
 

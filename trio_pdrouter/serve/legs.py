@@ -8,6 +8,7 @@ chooses between retrying and failing. The streaming decode leg is :class:`.relay
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -26,6 +27,7 @@ from ..http import (
     post_capped,
     with_default,
 )
+from ..transport import SendSide
 from . import bodies, logprobs, outcomes
 from .outcomes import LegFailure
 from .request import Attempt, Request
@@ -67,17 +69,29 @@ class PrefillLeg:
     """Sends the prefill leg (one token, KV transfer requested) and reads its JSON answer.
 
     The prefill endpoint's load is released when the answer has been read, when the leg fails,
-    or when it is cancelled; ``limit`` bounds the whole leg.
+    or when it is cancelled; ``limit`` bounds the whole leg. A client that leaves while the leg
+    is out does not cancel it at once: the leg stops sending (the engine sees the client go and
+    aborts a prefill still running) and reads for ``grace`` seconds an answer already on its
+    way, whose KV blocks the proxy then reclaims; ``on_late_answer`` counts those answers.
     """
 
     def __init__(
-        self, client: LegClient, limit: float, upstream_api_key: str | None, cap: int
+        self,
+        client: LegClient,
+        limit: float,
+        upstream_api_key: str | None,
+        cap: int,
+        *,
+        grace: float,
+        on_late_answer: Callable[[], None],
     ) -> None:
         self._client = client
         self._limit = limit
         self._upstream_api_key = upstream_api_key
         #: The largest answer read (``--max-upstream-answer-bytes``).
         self._cap = cap
+        self._grace = grace
+        self._on_late_answer = on_late_answer
 
     async def run(self, req: Request, attempt: Attempt) -> dict[str, Any] | LegFailure:
         ep = attempt.prefill
@@ -90,11 +104,31 @@ class PrefillLeg:
             self._upstream_api_key,
             "prefill",
         )
+        await trio.lowlevel.checkpoint_if_cancelled()  # a client gone already: send nothing
         req.prefill_sent()
-        try:
-            resp = await _post(self._client, call, self._limit, self._cap)
-        finally:
-            attempt.lease.release(ep)
+        side = SendSide()
+        resp: Answer | LegFailure | None = None
+        with trio.CancelScope() as leg:
+
+            def leave() -> None:
+                """The client left: stop sending (the engine aborts a prefill still running),
+                but read for ``grace`` seconds an answer already on its way."""
+                side.close()
+                leg.deadline = min(leg.deadline, trio.current_time() + self._grace)
+
+            req.on_leave = leave
+            try:
+                resp = await _post(self._client, call, self._limit, self._cap, side)
+            finally:
+                req.on_leave = None
+                attempt.lease.release(ep)
+        if req.life.client_gone:
+            req.end()  # the client left during the leg: nothing is sent after it
+            if not isinstance(resp, Answer):
+                await trio.lowlevel.checkpoint()  # cancelled: raises, nothing recorded
+            self._on_late_answer()
+        if resp is None:
+            raise AssertionError("a prefill leg's grace ends only for a client that left")
         if isinstance(resp, LegFailure):
             return req.record_failure(resp)
         if resp.status_code != 200:
@@ -116,8 +150,8 @@ class BufferedDecode:
     """A non-streaming decode (or regular) leg: the whole answer in one piece.
 
     The decode load is held until the answer has been read; ``limit`` bounds the wait for it.
-    The prefill's KV blocks count as taken once the leg is sent, unless decode answers an
-    error or the connection fails before the request goes out (see :mod:`.lifecycle`).
+    The prefill's KV blocks are decode's once the leg is sent, unless decode answers an error
+    or the connection fails before the whole request went out (see :mod:`.lifecycle`).
     When the client asked for prompt logprobs or echo, the prefill's prompt-side fields are
     merged into the answer (SPEC §6).
     """
@@ -134,14 +168,17 @@ class BufferedDecode:
         ep = call.endpoint
         attempt.lease.sent(ep)
         req.decode_sent()
-        req.kv_taken()  # nothing will show when decode schedules it (see lifecycle)
+        req.kv_taken()  # the engine's once it has the whole request (see lifecycle)
+        side = SendSide()
         try:
-            resp = await _post(self._client, call, self._limit, self._cap)
+            resp = await _post(self._client, call, self._limit, self._cap, side)
+        except BaseException:
+            req.kv_unless_unwritten(side)
+            raise
         finally:
             attempt.lease.release(ep)
         if isinstance(resp, LegFailure):
-            if resp.kind == "connect":
-                req.kv_refused()  # the request never went out
+            req.kv_unless_unwritten(side)
             return req.record_failure(resp)
         if resp.status_code != 200:
             req.kv_refused()
@@ -158,7 +195,7 @@ class BufferedDecode:
 
 
 async def _post(
-    client: LegClient, call: UpstreamCall, limit: float, cap: int
+    client: LegClient, call: UpstreamCall, limit: float, cap: int, side: SendSide
 ) -> Answer | LegFailure:
     """Send ``call`` and read its whole answer, within ``limit`` seconds and ``cap`` bytes.
 
@@ -168,7 +205,7 @@ async def _post(
     try:
         with trio.move_on_after(limit) as scope:
             resp = await post_capped(
-                client, call.url, content=call.content, headers=call.headers, cap=cap
+                client, call.url, content=call.content, headers=call.headers, cap=cap, side=side
             )
     except AnswerTooLarge as exc:
         return outcomes.invalid(call.stage, ep, str(exc))

@@ -178,7 +178,9 @@ class Proxy:
         """Choose and charge the attempt's endpoints (synchronously: no checkpoint).
 
         After a decode failure that left the prefill's KV blocks held, only a decode endpoint
-        is chosen: the attempt sends it the same ``kv_transfer_params``.
+        is chosen: the attempt sends it the same ``kv_transfer_params`` — while the prefill
+        engine can be counted on to hold them (``--prefill-kv-hold-secs``); later they are left
+        to the engine and the attempt runs a fresh prefill.
         """
         key = req.inf.key
         rid = req.inf.request_id
@@ -192,6 +194,9 @@ class Proxy:
             lease, decode = routing.lease_one(Role.DECODE, key, avoid_urls)
             return Attempt(number, None, decode, lease, rid, lessons=routing.lessons(Role.DECODE))
         last = req.attempt
+        hold = self._config.timeouts.prefill_kv_hold
+        if req.life.kv is KvOwner.PREFILL and not req.kv_held_within(hold):
+            req.kv_settled(KvEvent.ABANDON)  # the engine has let them go: a fresh prefill
         if last is not None and last.prefill is not None and req.life.kv is KvOwner.PREFILL:
             lease, decode = routing.lease_one(Role.DECODE, key, avoid_urls)
             return Attempt(
@@ -217,6 +222,8 @@ class Proxy:
             answer = await self._prefill.run(req, attempt)
             if isinstance(answer, LegFailure):
                 return answer
+            # The client may have left while the prefill's answer was read: no decode then.
+            await trio.lowlevel.checkpoint_if_cancelled()
         if attempt.prefill is not None:
             body = bodies.decode_body(inf.body, req.kv_params)
         api_key = self._config.upstream_api_key
@@ -241,7 +248,8 @@ class Proxy:
             # That decode broke: ask another (the blocks do not care who pulls them).
             with contextlib.suppress(NoHealthyEndpoint):
                 target = self._routing.choose(Role.DECODE, req.inf.key, (target.url,))
-        if self._config.release_stranded_kv:
+        hold = self._config.timeouts.prefill_kv_hold
+        if self._config.release_stranded_kv and req.kv_held_within(hold):
             req.kv_settled(KvEvent.RECLAIM)
             self._reclaimer.reclaim(req, attempt, target)
         else:
@@ -260,7 +268,10 @@ async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, req: Requ
         message = await receive()
         if message["type"] == "http.disconnect":
             req.client_left()
-            scope.cancel()
+            if req.on_leave is not None:
+                req.on_leave()  # the prefill leg ends the request once its answer is settled
+            else:
+                scope.cancel()
             return
 
 

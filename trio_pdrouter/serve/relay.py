@@ -49,7 +49,7 @@ from ..http import (
     read_capped,
     with_default,
 )
-from ..transport import body_chunks
+from ..transport import SendSide, body_chunks
 from . import outcomes
 from .buffers import BufferBudget, RelayBuffer, RelayOverflow
 from .legs import UpstreamCall, status_failure
@@ -110,7 +110,6 @@ class _Answer:
         "nursery",
         "req",
         "resp",
-        "taken",
     )
 
     def __init__(
@@ -135,8 +134,6 @@ class _Answer:
         self.idle = idle
         self.nursery = nursery
         self.inline = True
-        #: Whether output has proved that decode took the KV blocks.
-        self.taken = False
 
     async def next(self, idle: IdleDeadline) -> bytes | None:
         """The next whole events, or ``None`` once the engine's answer ended: then decode load
@@ -145,11 +142,6 @@ class _Answer:
             idle.touch()
             data = self.framer.feed(chunk)
             if data:
-                if not self.taken and self.req.inf.route.error_marker not in data:
-                    # The first output proves decode scheduled the request and so pulled the
-                    # prefill's KV blocks (its head does not: see trio_pdrouter.serve.lifecycle).
-                    self.taken = True
-                    self.req.kv_taken()
                 return data
         ep = self.call.endpoint
         self.attempt.lease.release(ep)
@@ -250,17 +242,24 @@ class DecodeRelay:
         ep, stage = call.endpoint, call.stage
         limit = self._first_byte_limit
         req.decode_sent()
+        req.kv_taken()  # the engine's once it has the whole request (see lifecycle)
         attempt.lease.sent(ep)
+        side = SendSide()
         try:
             with trio.move_on_after(limit) as scope:
                 resp = await self._client.open_post(
-                    call.url, call.content, call.headers, self._stream_limits
+                    call.url, call.content, call.headers, self._stream_limits, side
                 )
         except httpx.HTTPError as exc:
             attempt.lease.release(ep)
+            req.kv_unless_unwritten(side)
             return req.record_failure(outcomes.transport_failure(stage, ep, exc))
+        except BaseException:
+            req.kv_unless_unwritten(side)
+            raise
         if scope.cancelled_caught:
             attempt.lease.release(ep)
+            req.kv_unless_unwritten(side)
             return req.record_failure(outcomes.timeout(stage, ep, f"no response in {limit:g}s"))
         buffer = RelayBuffer(self._max_buffered_bytes, self._budget)
         idle = IdleDeadline(self._idle_limit)
@@ -303,6 +302,7 @@ class DecodeRelay:
         """Why the engine's answer cannot stream to the client, or ``None`` if it can."""
         ep, stage = call.endpoint, call.stage
         if resp.status_code != 200:
+            req.kv_refused()  # an error status: the engine did not take the blocks
             try:
                 body = await read_capped(resp, self._max_buffered_bytes)
             except AnswerTooLarge as exc:  # an error answer past the cap

@@ -25,6 +25,7 @@ from ..http import Connection, Downstream, Headers, Reply, Route, errors, sse
 from ..ledger import Lease
 from ..observe import RequestRecord
 from ..routing import Lesson, RoutingKey
+from ..transport import SendSide
 from .lifecycle import Event, KvEvent, KvOwner, Lifecycle, outcome
 from .outcomes import LegFailure, Verdict
 
@@ -119,7 +120,9 @@ class Request:
         "kv_params",
         "life",
         "on_cancel",
+        "on_leave",
         "prefill_answer",
+        "prefill_answered_at",
         "prefill_ms",
         "rejection",
         "scope",
@@ -150,6 +153,8 @@ class Request:
         self.kv_params: Any = None
         self.upstream_errors: list[tuple[str, str, str]] = []
         self.prefill_ms: float | None = None
+        #: When the last prefill answered (trio's clock): its KV blocks are held from then.
+        self.prefill_answered_at = 0.0
         self._prefill_sent_at = 0.0
         self.rejection: str | None = None
         #: The request's cancel scope, once it runs (the proxy's shutdown cancels it).
@@ -158,6 +163,10 @@ class Request:
         #: while a send to the client may hold its task: the relay hands the engine's answer
         #: to a task the cancellation reaches at once (:mod:`.relay`).
         self.on_cancel: Callable[[], None] | None = None
+        #: Set while the prefill leg is out: called instead of cancelling the request when the
+        #: client leaves; the leg reads an answer already on its way, then ends the request
+        #: (:meth:`end`), so a finished prefill's KV blocks are reclaimed, not stranded.
+        self.on_leave: Callable[[], None] | None = None
 
     # -- the steps, in the order of the lifecycle -------------------------------------------
 
@@ -185,7 +194,8 @@ class Request:
     def prefill_answered(self, answer: dict[str, Any]) -> None:
         """Prefill's answer was read; ``kv_transfer_params`` null means its token was a stop."""
         self.life.step(Event.PREFILL_ANSWERED)
-        self.prefill_ms = (trio.current_time() - self._prefill_sent_at) * 1000
+        self.prefill_answered_at = trio.current_time()
+        self.prefill_ms = (self.prefill_answered_at - self._prefill_sent_at) * 1000
         self.prefill_answer = answer
         self.kv_params = answer.get("kv_transfer_params")
         if self.kv_params is not None:
@@ -195,8 +205,8 @@ class Request:
         self.life.step(Event.SEND_DECODE)
 
     def kv_taken(self) -> None:
-        """Decode has taken the prefill's KV blocks, if there are any: a stream's first event,
-        or a non-streaming leg sent (see :mod:`.lifecycle` for why)."""
+        """The decode leg goes out: decode takes the prefill's KV blocks, if there are any,
+        unless it proves otherwise (see :mod:`.lifecycle` for why)."""
         if self.life.kv is KvOwner.PREFILL:
             self.life.kv_step(KvEvent.PULLED)
 
@@ -204,6 +214,12 @@ class Request:
         """Decode proved it did not take the blocks (an error answer, or never reached)."""
         if self.life.kv is KvOwner.DECODE:
             self.life.kv_step(KvEvent.REFUSED)
+
+    def kv_unless_unwritten(self, side: SendSide) -> None:
+        """A decode leg failed or was cancelled: if its request was not all written, the engine
+        never had it, and the blocks are still the prefill's."""
+        if not side.written:
+            self.kv_refused()
 
     def stream_started(self) -> None:
         self.life.step(Event.STREAM_STARTED)
@@ -223,6 +239,11 @@ class Request:
 
     def client_left(self) -> None:
         self.life.step(Event.CLIENT_LEFT)
+
+    def end(self) -> None:
+        """Cancel the request's scope: what a departed client leaves behind ends now."""
+        if self.scope is not None:
+            self.scope.cancel()
 
     def stalled(self) -> None:
         """The client accepted nothing for too long (:mod:`trio_pdrouter.serve.stalled`): end the
@@ -246,8 +267,7 @@ class Request:
         return True
 
     def _cancel(self) -> None:
-        if self.scope is not None:
-            self.scope.cancel()
+        self.end()
         if self.on_cancel is not None:
             self.on_cancel()
 
@@ -259,6 +279,12 @@ class Request:
 
     def crashed(self) -> None:
         self.life.step(Event.CRASH)
+
+    def kv_held_within(self, seconds: float) -> bool:
+        """Whether the prefill engine still holds this request's KV blocks, counting on it for
+        ``seconds`` after its answer (``--prefill-kv-hold-secs``)."""
+        held = self.life.kv is KvOwner.PREFILL
+        return held and trio.current_time() - self.prefill_answered_at < seconds
 
     def kv_settled(self, event: KvEvent) -> None:
         """An attempt ended with the KV still on the prefill engine: reclaimed or abandoned."""

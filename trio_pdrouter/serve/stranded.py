@@ -42,6 +42,7 @@ class KvReclaimer:
         limit: float,
         upstream_api_key: str | None,
         on_reclaim: Callable[[Endpoint], None],
+        on_refused: Callable[[Endpoint], None],
     ) -> None:
         self._client = client
         self._ledger = ledger
@@ -49,6 +50,7 @@ class KvReclaimer:
         self._limit = limit
         self._upstream_api_key = upstream_api_key
         self._on_reclaim = on_reclaim
+        self._on_refused = on_refused
 
     def reclaim(self, req: Request, attempt: Attempt, ep: Endpoint) -> None:
         """Start the reclaim of ``attempt``'s KV blocks on decode endpoint ``ep``; never awaits."""
@@ -73,8 +75,11 @@ class KvReclaimer:
                 async with self._client.stream(
                     "POST", url, content=content, headers=headers
                 ) as resp:
+                    if resp.status_code != 200:
+                        log.info("stranded_kv endpoint=%s status=%d", ep.key, resp.status_code)
+                        self._on_refused(ep)
                     async for _ in resp.aiter_raw():
-                        break  # the first event means the KV blocks were pulled
+                        break  # the first byte: the blocks were pulled, or the refusal read
             except Exception as exc:  # background work: log and end, never take the router down
                 log.info("stranded_kv endpoint=%s error=%s", ep.key, type(exc).__name__)
         self._on_reclaim(ep)

@@ -34,6 +34,7 @@ scope, before any checkpoint, and the closed socket is what tells vLLM to abort 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 
@@ -63,6 +64,7 @@ class H11Connection:
         "_h11",
         "_keep_alive",
         "_pending",
+        "_sending_closed",
         "_stream",
         "closed",
         "idle_since",
@@ -79,6 +81,8 @@ class H11Connection:
         self._chunked: ChunkedBody | None = None
         self._pending = b""
         self._keep_alive = False
+        # Half-closed for a caller (SendSide.close): the connection is never reused.
+        self._sending_closed = False
         self.closed = False
         # trio.current_time() when the pool last put the connection on its idle list.
         self.idle_since = 0.0
@@ -299,7 +303,10 @@ class H11Connection:
 
     def finish_cycle(self) -> bool:
         """After the body's end: True (and h11 is ready for the next request) if the connection
-        can be reused; False if it must be closed (Connection: close, HTTP/1.0, extra bytes)."""
+        can be reused; False if it must be closed (Connection: close, HTTP/1.0, extra bytes, a
+        sending side closed)."""
+        if self._sending_closed:
+            return False
         body = self._chunked
         if body is not None:
             # h11 stopped at the head: start the next cycle on a fresh h11 state machine.
@@ -330,6 +337,13 @@ class H11Connection:
             return bool(poller.poll(0))
         except (OSError, ValueError):
             return True
+
+    def half_close(self) -> None:
+        """Stop sending now, synchronously (``shutdown(SHUT_WR)``); reading goes on."""
+        if not self.closed and not self._sending_closed:
+            self._sending_closed = True
+            with contextlib.suppress(OSError):  # already closed or reset: nothing to stop
+                self._stream.socket.shutdown(trio.socket.SHUT_WR)
 
     def close(self) -> None:
         """Close the socket now, synchronously (no checkpoint, so it runs in a cancelled scope).

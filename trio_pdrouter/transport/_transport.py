@@ -36,6 +36,7 @@ import httpx
 
 from ._connection import H11Connection
 from ._pool import HostPool
+from ._send_side import SEND_SIDE, SendSide
 
 __all__ = ["H11ResponseStream", "H11Transport", "body_chunks"]
 
@@ -212,13 +213,18 @@ class H11Transport(httpx.AsyncBaseTransport):
         write_timeout: float | None = timeouts.get("write")
         pool_timeout: float | None = timeouts.get("pool")
 
+        side: SendSide | None = request.extensions.get(SEND_SIDE)
         conn, reused = await pool.acquire(
             request, connect_timeout=connect_timeout, pool_timeout=pool_timeout
         )
         sent = False
         try:
+            if side is not None:
+                side.attach(conn)
             await conn.send_request(request, write_timeout=write_timeout)
             sent = True
+            if side is not None:
+                side.written = True
             head = await conn.receive_response_head(request, read_timeout=read_timeout)
         except _STALE_ERRORS:
             pool.discard(conn)
@@ -236,7 +242,11 @@ class H11Transport(httpx.AsyncBaseTransport):
             request, connect_timeout=connect_timeout, pool_timeout=pool_timeout, fresh=True
         )
         try:
+            if side is not None:
+                side.attach(conn)
             await conn.send_request(request, write_timeout=write_timeout)
+            if side is not None:
+                side.written = True
             head = await conn.receive_response_head(request, read_timeout=read_timeout)
         except BaseException:
             pool.discard(conn)
