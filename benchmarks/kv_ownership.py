@@ -9,9 +9,10 @@ the same run, and after each run the simulators' ground truth is read once every
 * **second pulls**: reads of prefill blocks already pulled or freed (a reclaim sent after decode
   owned them);
 * **stranded**: holds the prefill still keeps for a decode that will never come;
-* **ends reaching an engine** per client that left: prefill or decode ``aborted`` (less the
-  resets the decode simulator injected), plus trio-pdrouter's reclaims (a prefill answer that
-  was already on its way when the client left is reclaimed, its blocks freed at once);
+* **ends reaching an engine** per client that left after its request reached one (those that
+  left before the router sent their prefill left nothing to abort): prefill or decode
+  ``aborted`` (less the resets the decode simulator injected), plus trio-pdrouter's reclaims (a
+  prefill answer already on its way when the client left is reclaimed, its blocks freed now);
 * the router's ledger (``/get_loads``) back to 0 (trio-pdrouter).
 
 Scenarios: ``leave-early``: 400 streams of short prompts, the decode's KV read taking 80 ms,
@@ -134,7 +135,13 @@ async def _load(url: str, shape: Shape, seed: int) -> dict[str, int]:
 
 def _totals(client: httpx.Client, sim: Service) -> dict[str, Any]:
     stats: dict[str, Any] = client.get(sim.url + "/sim/stats").json()
-    return {**stats["totals"], "kv_holds": stats["kv_holds"], "faults": stats["faults_injected"]}
+    received = stats["received"].get("/v1/completions", 0)
+    return {
+        **stats["totals"],
+        "kv_holds": stats["kv_holds"],
+        "faults": stats["faults_injected"],
+        "received": received,
+    }
 
 
 def _counter(client: httpx.Client, router: Service, name: str) -> float:
@@ -187,14 +194,18 @@ def _one_run(
     after = [_counter(client, router, n) for n in names] if ours else [0.0, 0.0]
     reclaims, late = (a - b for a, b in zip(after, before, strict=True))
     aborts = p["aborted"] + d["aborted"] - d["faults"]
+    # Each stream sends one prefill, unless its client left before the router sent it: those
+    # left nothing on any engine to abort.
+    reached = left - max(0, shape.streams - p["received"])
     return {
         "ended": seen,
         "left": left,
+        "left_after_reaching_an_engine": reached,
         "second_pulls": p["kv_second_pulls"],
         "stranded": p["kv_holds"] - holds_before,
         "freed_by_decode": p["kv_blocks_freed"],
         "aborts": aborts,
-        "aborts_per_leaver": aborts / left if left else None,
+        "aborts_per_leaver": aborts / reached if reached else None,
         "decode_resets": d["faults"],
         "pd_ok": d["pd_ok"],
         "pd_missing": d["pd_missing"],
@@ -202,7 +213,7 @@ def _one_run(
         "reclaims": reclaims if ours else None,
         # Ends that reached an engine for a client that left: an abort, or a reclaim of a
         # prefill answer already on its way (whose blocks the reclaim frees at once).
-        "ends_per_leaver": (aborts + (reclaims if ours else 0)) / left if left else None,
+        "ends_per_leaver": (aborts + (reclaims if ours else 0)) / reached if reached else None,
         "late_prefill_answers": late if ours else None,
     }
 

@@ -701,7 +701,7 @@ def _kv_ownership(data: dict[str, Any]) -> list[str]:
                     cells("stranded"),
                     cells("aborts_per_leaver"),
                     cells("ends_per_leaver"),
-                    cells("left"),
+                    cells("left") + " (" + cells("left_after_reaching_an_engine") + ")",
                     cells("ledger_after"),
                 ]
             )
@@ -713,7 +713,7 @@ def _kv_ownership(data: dict[str, Any]) -> list[str]:
             "stranded",
             "aborts per client that left",
             "aborts and reclaims per client that left",
-            "clients that left",
+            "clients that left (after reaching an engine)",
             "ledger after",
         ],
         rows,
