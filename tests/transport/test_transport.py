@@ -18,7 +18,13 @@ import pytest
 import trio
 import trio.testing
 
-from trio_pdrouter.transport import H11ResponseStream, H11Transport, body_chunks
+from trio_pdrouter.transport import (
+    SEND_SIDE,
+    H11ResponseStream,
+    H11Transport,
+    SendSide,
+    body_chunks,
+)
 
 Handler = Callable[[trio.SocketStream, int], Awaitable[None]]
 
@@ -986,3 +992,69 @@ async def test_connect_timeout() -> None:
         finally:
             for filler in fillers:
                 filler.close()
+
+
+# -- the sending side ------------------------------------------------------------------------
+
+
+async def test_a_half_close_reaches_the_server_and_its_answer_is_still_read() -> None:
+    """SendSide: ``written`` once the request is out; ``close()`` is a FIN the server sees
+    while the answer it then writes still arrives; the connection is not reused after."""
+    saw_eof = trio.Event()
+
+    async def handler(stream: trio.SocketStream, index: int) -> None:
+        conn = h11.Connection(h11.SERVER)
+        got = await read_request(stream, conn)
+        assert got is not None
+        assert await stream.receive_some(65536) == b""  # the client's FIN
+        saw_eof.set()
+        await send(
+            stream,
+            conn,
+            h11.Response(status_code=200, headers=[("Content-Length", "4")]),
+            h11.Data(data=b"late"),
+            h11.EndOfMessage(),
+        )
+
+    transport = H11Transport()
+    async with serve(handler) as server, transport:
+        side = SendSide()
+        request = httpx.Request(
+            "POST", server.url + "/x", content=b"body", extensions={SEND_SIDE: side}
+        )
+        async with trio.open_nursery() as nursery:
+
+            async def leave_once_written() -> None:
+                while not side.written:
+                    await trio.testing.wait_all_tasks_blocked()
+                side.close()
+
+            nursery.start_soon(leave_once_written)
+            response = await transport.handle_async_request(request)
+            assert side.written and side.closed and saw_eof.is_set()
+            assert await response.aread() == b"late"
+            await response.aclose()
+        assert open_count(transport, server) == 0, "a half-closed connection is not reused"
+
+
+async def test_a_close_asked_for_before_the_connection_exists_sends_nothing() -> None:
+    """The caller left before the request went out: the connection is half-closed as soon as
+    it exists, so the server gets no request and the side was never written."""
+    got: list[object] = []
+    done = trio.Event()
+
+    async def handler(stream: trio.SocketStream, index: int) -> None:
+        got.append(await read_request(stream, h11.Connection(h11.SERVER)))
+        done.set()
+
+    transport = H11Transport()
+    async with serve(handler) as server, transport:
+        side = SendSide()
+        side.close()
+        request = httpx.Request(
+            "POST", server.url + "/x", content=b"body", extensions={SEND_SIDE: side}
+        )
+        with pytest.raises(httpx.WriteError):
+            await transport.handle_async_request(request)
+        await wait(done)
+    assert got == [None] and not side.written
