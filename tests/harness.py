@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+from urllib.parse import unquote
 
 import attrs
 import httpx
@@ -190,7 +191,9 @@ async def call(
     scope = {
         "type": "http",
         "method": method,
-        "path": path,
+        # As an ASGI server gives them: the path percent-decoded once, the bytes as received.
+        "path": unquote(path),
+        "raw_path": path.encode(),
         "headers": [(k.lower().encode(), v.encode()) for k, v in hdrs.items()],
     }
     body_sent = False

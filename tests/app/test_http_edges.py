@@ -138,6 +138,7 @@ async def test_without_the_key_no_route_can_be_told_apart(background: trio.Nurse
     for method, path in [("GET", "/nowhere"), ("DELETE", "/get_loads"), ("GET", "/get_loads")]:
         ex = await call(app, method, path)
         assert ex.status == 401, (method, path)
+        assert ex.headers["www-authenticate"] == "Bearer"
     assert (await call(app, "GET", "/health")).status == 200
 
 

@@ -88,6 +88,10 @@ async def test_bad_worker_requests_are_refused(background: trio.Nursery) -> None
         await call(app, "POST", "/workers", raw=b"{", headers={"content-type": "application/json"})
     ).status == 400
     assert (await call(app, "DELETE", "/workers/http://nowhere:1")).status == 404
+    # Percent-decoded once: "%252F" is "%2F" in the URL, not a slash (decoding twice would
+    # turn it into the decode server's own URL and remove it).
+    assert (await call(app, "DELETE", "/workers/http%3A%2F%2Fdecode%3A8200%252F")).status == 404
+    assert (await call(app, "GET", "/workers")).json()["workers"], "nothing was removed"
 
 
 async def test_https_workers_are_refused_with_the_command_lines_message(

@@ -9,6 +9,7 @@ import pytest
 import trio
 
 from tests.harness import call, json_response, make_app, pd_config
+from trio_pdrouter.ledger import output_tokens
 from trio_pdrouter.serve import sampling
 
 
@@ -19,6 +20,9 @@ from trio_pdrouter.serve import sampling
         ({"max_tokens": -1}, "max_tokens", "max_tokens must be at least 1, got -1."),
         ({"max_tokens": "8"}, "max_tokens", "max_tokens: Input should be a valid integer"),
         ({"max_tokens": True}, "max_tokens", "max_tokens: Input should be a valid integer"),
+        ({"max_tokens": 8.5}, "max_tokens", "max_tokens: Input should be a valid integer"),
+        ({"max_tokens": 0.0}, "max_tokens", "max_tokens must be at least 1, got 0."),
+        ({"max_tokens": 2.0, "min_tokens": 3.0}, "min_tokens", "max_tokens=2, got 3."),
         ({"max_tokens": 2**64}, "max_tokens", "Input should be less than or equal to"),
         ({"max_completion_tokens": 0}, "max_completion_tokens", "must be at least 1"),
         ({"max_output_tokens": 0}, "max_output_tokens", "must be at least 1"),
@@ -46,6 +50,7 @@ def test_vllms_refusals(changes: dict[str, Any], param: str, message: str) -> No
         {"prompt": "x", "max_tokens": 1, "min_tokens": 1},
         {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}},
         {"prompt": "x", "max_tokens": 2**63 - 1},
+        {"prompt": "x", "max_tokens": 8.0, "min_tokens": 2.0},  # integral floats, as vLLM
     ],
 )
 def test_what_vllm_accepts_passes(body: dict[str, Any]) -> None:
@@ -66,3 +71,8 @@ async def test_a_refused_request_touches_no_engine(background: trio.Nursery) -> 
         "code": 400,
     }
     assert upstream.requests == []
+
+
+def test_an_integral_float_cap_is_the_request_s_output_estimate() -> None:
+    assert output_tokens({"max_tokens": 8.0}) == 8
+    assert output_tokens({"max_tokens": 8.5}) == output_tokens({})

@@ -156,7 +156,11 @@ class AdminRoutes:
 
     async def remove_worker(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``DELETE /workers/{url}``: stop routing to it, wait for its requests, forget it."""
-        url = unquote(scope["path"][len(WORKER_PREFIX) :]).rstrip("/")
+        # Decoded once: from the bytes received where the server gives them, else its path,
+        # which ASGI servers have already decoded (decoding that again would change a URL).
+        raw: bytes | None = scope.get("raw_path")
+        target = unquote(raw.decode("latin-1")) if raw else scope["path"]
+        url = target[len(WORKER_PREFIX) :].rstrip("/")
         removal = await self._fleet.remove(url, self._config.server.graceful_timeout)
         if removal is None:
             await send_reply(send, Reply.error(errors.not_found(f"worker {url}")))

@@ -26,6 +26,8 @@ from .request_body import CLOSE, send_reply
 __all__ = ["OPEN_ROUTES", "RouterApp"]
 
 OPEN_ROUTES = frozenset({"/health", "/healthcheck", "/liveness", "/readiness"})
+#: Sent with a 401: the scheme the key goes in (RFC 6750).
+CHALLENGE = ((b"www-authenticate", b"Bearer"),)
 
 
 class RouterApp:
@@ -121,7 +123,7 @@ class RouterApp:
         # Before the route is looked up: without the key, every route answers 401 alike, so
         # none can be told apart (enumerated) by its 404 or 405.
         if key is not None and path not in OPEN_ROUTES and not _authorized(scope, key):
-            await send_reply(send, Reply.error(errors.unauthorized()))
+            await send_reply(send, Reply.error(errors.unauthorized(), CHALLENGE))
             return
         if _smuggling(scope):
             # RFC 9112 §6.1: a message with both may be a request smuggled past a proxy that

@@ -23,7 +23,15 @@ from .cluster_sync import (
     connect,
     exchange_timeout,
 )
-from .cost import CAPS, DEFAULT_OUTPUT_TOKENS, TOKEN_MARK, output_tokens, prompt_tokens, uncached
+from .cost import (
+    CAPS,
+    DEFAULT_OUTPUT_TOKENS,
+    TOKEN_MARK,
+    output_tokens,
+    prompt_tokens,
+    token_count,
+    uncached,
+)
 from .load import Lease, LoadLedger
 from .machine import MachineLedger
 from .replicas import PeerLoads, Snapshot, cluster_view
@@ -47,5 +55,6 @@ __all__ = [
     "exchange_timeout",
     "output_tokens",
     "prompt_tokens",
+    "token_count",
     "uncached",
 ]

@@ -41,8 +41,18 @@ def prompt_tokens(text: str) -> int:
     return math.ceil(len(text) / CHARS_PER_TOKEN)
 
 
+def token_count(value: object) -> int | None:
+    """A token count as vLLM's request models read one: an integer, or a float with no
+    fractional part (``8.0``); None for anything else (``True`` included)."""
+    if type(value) is int:
+        return value
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return None
+
+
 def output_tokens(body: Mapping[str, object]) -> int:
-    caps = [v for name in CAPS if type(v := body.get(name)) is int and v > 0]
+    caps = [v for name in CAPS if (v := token_count(body.get(name))) is not None and v > 0]
     return min(caps) if caps else DEFAULT_OUTPUT_TOKENS
 
 

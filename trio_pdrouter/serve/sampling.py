@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..http import RouterError
-from ..ledger import CAPS
+from ..ledger import CAPS, token_count
 
 #: The largest token count vLLM accepts (a signed 64-bit integer).
 MAX_TOKENS = 2**63 - 1
@@ -27,10 +27,11 @@ def refusal(body: dict[str, Any]) -> RouterError | None:
     """What vLLM's decode engine would answer ``body`` with, if it would refuse it; else None."""
     caps: list[int] = []
     for name in CAPS:
-        value = body.get(name)
-        if value is None:
+        given = body.get(name)
+        if given is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int):
+        value = token_count(given)  # 8.0 passes, as vLLM's request models read it
+        if value is None:
             return _bad(f"{name}: Input should be a valid integer", name)
         if value < 1:
             return _bad(f"max_tokens must be at least 1, got {value}.", name)
@@ -38,10 +39,11 @@ def refusal(body: dict[str, Any]) -> RouterError | None:
             return _bad(f"{name}: Input should be less than or equal to {MAX_TOKENS}", name)
         caps.append(value)
     for name in MINIMUMS:
-        value = body.get(name)
-        if value is None:
+        given = body.get(name)
+        if given is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int):
+        value = token_count(given)
+        if value is None:
             return _bad(f"{name}: Input should be a valid integer", name)
         if value < 0:
             return _bad(f"min_tokens must be greater than or equal to 0, got {value}.", name)
