@@ -3,7 +3,14 @@ import trio
 import trio.testing
 
 from trio_pdrouter.endpoints import Endpoint, Role
-from trio_pdrouter.serve import BufferBudget, IdleDeadline, RelayBuffer, RelayOverflow, outcomes
+from trio_pdrouter.serve import (
+    PIECE_BYTES,
+    BufferBudget,
+    IdleDeadline,
+    RelayBuffer,
+    RelayOverflow,
+    outcomes,
+)
 
 
 async def test_writer_gets_everything_pending_in_one_piece() -> None:
@@ -106,4 +113,25 @@ def test_past_the_budget_the_furthest_behind_open_stream_is_ended() -> None:
         near.put(b"n" * 60)  # this stream itself is now the furthest behind
     for buffer in (behind, near, done):
         buffer.discard()
+    assert budget.total == 0
+
+
+async def test_a_long_backlog_goes_out_in_bounded_pieces_oldest_first() -> None:
+    """A slow reader finishes each send, however far behind it is (issue: the write timeout
+    cut readers that kept reading, because one send carried the whole backlog)."""
+    budget = BufferBudget(10 * PIECE_BYTES)
+    buffer = RelayBuffer(4 * PIECE_BYTES, budget)
+    events = [bytes([65 + i % 26]) * 1000 for i in range(150)]  # 150 kB of events
+    big = b"z" * (PIECE_BYTES + 10)  # one read larger than a piece
+    for event in [*events, big]:
+        buffer.put(event)
+    buffer.close()
+    sent = []
+    while (piece := await buffer.take()) is not None:
+        assert len(piece) <= PIECE_BYTES
+        sent.append(piece)
+        assert budget.total == buffer.queued + len(piece)  # in flight until the next take
+    assert b"".join(sent) == b"".join([*events, big])
+    assert len(sent) == 4 and budget.total == 0
+    buffer.discard()
     assert budget.total == 0

@@ -15,7 +15,7 @@ May import the fleet, routing, the ledger and below.
 from __future__ import annotations
 
 from .admission import QUEUE_FULL, QUEUE_TIMEOUT, RATE_LIMITED, Admission, Rejected
-from .buffers import BufferBudget, RelayBuffer, RelayOverflow
+from .buffers import PIECE_BYTES, BufferBudget, RelayBuffer, RelayOverflow
 from .context_length import ContextCheck
 from .legs import BufferedDecode, PrefillLeg
 from .lifecycle import (
@@ -41,6 +41,7 @@ from .stranded import KvReclaimer
 __all__ = [
     "DECIDED",
     "KV_TRANSITIONS",
+    "PIECE_BYTES",
     "QUEUE_FULL",
     "QUEUE_TIMEOUT",
     "RATE_LIMITED",

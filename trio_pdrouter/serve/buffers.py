@@ -11,15 +11,24 @@ Rules of this module:
   most bytes queued are emptied, furthest behind first, until the total fits again; each one's
   reader then raises :class:`RelayOverflow` at its next ``put``. Only open buffers (whose reader
   still puts) are emptied: a finished stream's last bytes are left to the client write timeout.
+* A writer takes at most :data:`PIECE_BYTES` per send, oldest bytes first (a longer backlog
+  goes out in several sends), so a send blocked on a client measures that client's progress.
 * Every buffer is discarded exactly once (:meth:`RelayBuffer.discard`, in the relay's
   ``finally``), which gives all its bytes back, so the budget's total returns to exactly 0.
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 import trio
 
 from .outcomes import LegFailure
+
+#: The most bytes one send to a client carries. A client that reads slowly but steadily
+#: finishes each send, however far behind it is, so the write timeout
+#: (``--client-write-timeout-secs``) measures its progress, not the size of its backlog.
+PIECE_BYTES = 64 * 1024
 
 
 class RelayOverflow(Exception):
@@ -71,7 +80,7 @@ class RelayBuffer:
     )
 
     def __init__(self, limit: int, budget: BufferBudget) -> None:
-        self._chunks: list[bytes] = []
+        self._chunks: deque[bytes] = deque()
         #: Bytes put and not taken yet; bytes taken whose send has not finished.
         self.queued = 0
         self._taken = 0
@@ -124,7 +133,8 @@ class RelayBuffer:
         self._taken = size
 
     async def take(self) -> bytes | None:
-        """Everything pending as one ``bytes``, or ``None`` once closed and drained.
+        """What is pending as one ``bytes`` of at most :data:`PIECE_BYTES`, or ``None`` once
+        closed and drained.
 
         Calling it again means the previous piece was sent: its bytes leave the budget.
         """
@@ -135,11 +145,28 @@ class RelayBuffer:
                 return None
             await self._wakeup.wait()
             self._wakeup = trio.Event()
-        data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
-        self._chunks.clear()
-        self._taken = self.queued
-        self.queued = 0
+        data = self._next_piece()
+        self._taken = len(data)
+        self.queued -= len(data)
         return data
+
+    def _next_piece(self) -> bytes:
+        """What is pending, oldest first, at most :data:`PIECE_BYTES` of it."""
+        chunks = self._chunks
+        if len(chunks) == 1 and len(chunks[0]) <= PIECE_BYTES:
+            return chunks.popleft()
+        out: list[bytes] = []
+        room = PIECE_BYTES
+        while chunks and room:
+            chunk = chunks[0]
+            if len(chunk) <= room:
+                out.append(chunks.popleft())
+                room -= len(chunk)
+            else:
+                out.append(chunk[:room])
+                chunks[0] = chunk[room:]
+                room = 0
+        return b"".join(out)
 
     def discard(self) -> None:
         """The stream is over: every byte it still counts leaves the budget (once)."""
