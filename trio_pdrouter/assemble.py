@@ -14,7 +14,7 @@ import random
 
 import trio
 
-from .app import RouterApp
+from .app import AdminRoutes, InferenceRoutes, RouterApp
 from .config import RouterConfig
 from .endpoints import Role
 from .fleet import (
@@ -236,19 +236,31 @@ def build_app(
             client, lambda: sorted(serving()), api_key=config.upstream_api_key, local=local
         )
         context = ContextCheck(limits, serving, counter)
+    inference = InferenceRoutes(config, proxy, metrics, tokens, context)
+    admin = AdminRoutes(
+        config,
+        fleet=fleet,
+        routing=routing,
+        ledger=ledger,
+        client=client,
+        metrics=metrics,
+        engine_truth=truth,
+        peers=peers,
+        kv_events=kv,
+    )
     return RouterApp(
         config,
         fleet=fleet,
         routing=routing,
         ledger=ledger,
         proxy=proxy,
-        client=client,
         metrics=metrics,
         health=health,
         engine_truth=truth,
         peers=peers,
         verdicts=None if prober else verdicts,
         kv_events=kv,
-        tokens=tokens,
         context=context,
+        inference=inference,
+        admin=admin,
     )

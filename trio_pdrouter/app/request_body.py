@@ -1,7 +1,7 @@
 """Reading a request's body within its limits, and answering in one piece.
 
-Shared by the inference and the admin routes: a body larger than its limit, or slower than
-``--request-body-timeout``-style limits allow, is refused with :class:`BadRequest` before
+Shared by the inference and the admin routes: a body larger than its limit, or one that takes
+longer than ``--request-body-timeout-secs``, is refused with :class:`BadRequest` before
 anything is parsed.
 """
 

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import hmac
 
-import httpx
-
 from ..config import RouterConfig
 from ..fleet import EngineTruth, Fleet, HealthBoard, Verdicts
 from ..http import ROUTES, Cors, Receive, Reply, Scope, Send, answer_lifespan, errors, origin_of
 from ..kv import KvEvents
 from ..ledger import LoadLedger, PeerLoads
 from ..observe import RouterMetrics
-from ..routing import PromptTokens, Routing
+from ..routing import Routing
 from ..serve import ContextCheck, Proxy
 from .admin import WORKER_PREFIX, AdminRoutes, Handler
 from .inference import InferenceRoutes
@@ -33,12 +31,12 @@ CHALLENGE = ((b"www-authenticate", b"Bearer"),)
 class RouterApp:
     """The router's ASGI application (see the module doc).
 
-    Every collaborator is given here: the fleet (servers), routing (candidates), the ledger
-    (``/get_loads``), the proxy (inference), the upstream client (``/v1/models``), metrics,
-    the health board, engine truth (None when ``--engine-metrics-interval`` is 0), the
-    peers' loads (None without ``--cluster-url``), the KV-event subscriber (None without
-    ``--kv-event-source``), the prompt tokenizer calls (None without a ``kv_aware`` stage) and
-    the context length check (None with ``--no-check-context-length``).
+    It answers with the two route sets it is given (``inference``, ``admin``) and holds what
+    the server runs beside it: the fleet, routing, the ledger, the proxy, metrics, the health
+    board, engine truth (None when ``--engine-metrics-interval`` is 0), the peers' loads (None
+    without ``--cluster-url``), the health verdicts a worker follows, the KV-event subscriber
+    (None without ``--kv-event-source``) and the context length check (None with
+    ``--no-check-context-length``).
     """
 
     def __init__(
@@ -49,15 +47,15 @@ class RouterApp:
         routing: Routing,
         ledger: LoadLedger,
         proxy: Proxy,
-        client: httpx.AsyncClient,
         metrics: RouterMetrics,
         health: HealthBoard,
         engine_truth: EngineTruth | None,
         peers: PeerLoads | None,
         verdicts: Verdicts | None,
         kv_events: KvEvents | None,
-        tokens: PromptTokens | None,
         context: ContextCheck | None,
+        inference: InferenceRoutes,
+        admin: AdminRoutes,
     ) -> None:
         self._config = config
         self._cors = Cors(config.cors_allowed_origins)
@@ -80,18 +78,8 @@ class RouterApp:
         self.kv_events = kv_events
         #: Refuses prompts no candidate could hold (None with --no-check-context-length).
         self.context = context
-        self._inference = InferenceRoutes(config, proxy, metrics, tokens, context)
-        self._admin = AdminRoutes(
-            config,
-            fleet=fleet,
-            routing=routing,
-            ledger=ledger,
-            client=client,
-            metrics=metrics,
-            engine_truth=engine_truth,
-            peers=peers,
-            kv_events=kv_events,
-        )
+        self._inference = inference
+        self._admin = admin
         self.routes: dict[str, dict[str, Handler]] = self._admin.routes()
         for path in ROUTES:
             self.routes[path] = {"POST": self._inference.handle}
