@@ -78,11 +78,9 @@ def build_app(
     verdicts = None
     prober = True  # this process probes health and scrapes the engines
     if isinstance(ledger, MachineLedger):
-        verdicts = MachineVerdicts(ledger.table)
+        verdicts = MachineVerdicts(ledger.table, ledger.row)
         prober = ledger.row == PROBER_ROW
-    health = HealthBoard(
-        config.health, on_change=health_changed, verdicts=verdicts if prober else None
-    )
+    health = HealthBoard(config.health, on_change=health_changed, verdicts=verdicts, publish=prober)
     breakers = Breakers(
         config.breaker,
         in_flight=ledger.load,
@@ -152,11 +150,14 @@ def build_app(
         health=health,
         breakers=breakers,
         machine=machine,
+        max_runtime=config.max_runtime_servers,
     )
     for role, urls in config.servers().items():
         for url in urls:
             fleet.add_at_start(url, role)
     fleet.catch_up()  # and then the runtime changes made before it started
+    if isinstance(ledger, MachineLedger):  # what a dead predecessor held and nobody uses now
+        ledger.table.keep_only(ledger.row)
     metrics.watch_ledger(ledger, fleet.endpoints())
 
     rate = config.admission.rate_limit_tokens_per_second

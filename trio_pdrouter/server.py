@@ -158,7 +158,7 @@ async def _run(
     if app.context is not None:
         nursery.start_soon(app.context.limits.run)
     if config.health.interval_secs > 0 and app.verdicts is not None:
-        nursery.start_soon(app.health.follow, app.verdicts, FOLLOW_INTERVAL)
+        nursery.start_soon(app.health.follow, FOLLOW_INTERVAL)
     elif config.health.interval_secs > 0:
         await nursery.start(app.health.run, client)
     if app.peers is not None:

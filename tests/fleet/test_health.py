@@ -291,12 +291,14 @@ async def test_one_prober_per_machine_its_verdicts_reach_the_other_workers(
     try:
         async with trio.open_nursery() as nursery:
             upstream = Upstream({URL: [503, 503, 503, 200]})
-            prober = HealthBoard(SETTINGS, [URL], verdicts=MachineVerdicts(table))
+            prober = HealthBoard(SETTINGS, [URL], verdicts=MachineVerdicts(table, 0))
             client = httpx.AsyncClient(transport=httpx.MockTransport(upstream.handler))
             await nursery.start(prober.run, client)
             changes = Changes()
-            follower = HealthBoard(SETTINGS, [URL], on_change=changes)
-            nursery.start_soon(follower.follow, MachineVerdicts(view), 0.05)
+            follower = HealthBoard(
+                SETTINGS, [URL], on_change=changes, verdicts=MachineVerdicts(view, 1), publish=False
+            )
+            nursery.start_soon(follower.follow, 0.05)
             (url, healthy, at) = await changes.next()
             assert (url, healthy) == (URL, False) and 20.0 <= at <= 20.1  # the third failure
             assert not follower.is_healthy(ep(URL))
@@ -305,6 +307,10 @@ async def test_one_prober_per_machine_its_verdicts_reach_the_other_workers(
             nursery.cancel_scope.cancel()
         # the follower sent no probe of its own: four intervals, four probes, all the prober's
         assert len(upstream.probes) == 5
+        assert table.holders() == {f"health {URL}": 2}
+        prober.remove_url(URL)
+        follower.remove_url(URL)
+        assert table.holders() == {}  # the URL's verdict slot is free again
     finally:
         view.close()
         table.destroy()

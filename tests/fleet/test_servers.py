@@ -16,7 +16,7 @@ from trio_pdrouter.app import RouterApp
 from trio_pdrouter.assemble import build_app
 from trio_pdrouter.config import AdmissionSettings, BreakerSettings, HealthSettings
 from trio_pdrouter.endpoints import Role
-from trio_pdrouter.fleet import Breakers, DuplicateServer, Fleet, HealthBoard
+from trio_pdrouter.fleet import Breakers, DuplicateServer, Fleet, FleetFull, HealthBoard
 from trio_pdrouter.http import LegClient
 from trio_pdrouter.ledger import LoadLedger
 from trio_pdrouter.routing import PolicySettings, Routing, make_policy
@@ -40,7 +40,7 @@ class Rig:
     breakers: Breakers
 
 
-def rig(dp_size: int = 1) -> Rig:
+def rig(dp_size: int = 1, max_runtime: int = 64) -> Rig:
     ledger = LoadLedger()
     health = HealthBoard(HealthSettings())
     breakers = Breakers(BreakerSettings(failure_threshold=1), in_flight=ledger.load)
@@ -62,6 +62,7 @@ def rig(dp_size: int = 1) -> Rig:
         health=health,
         breakers=breakers,
         machine=None,
+        max_runtime=max_runtime,
     )
     return Rig(fleet, routing, ledger, health, breakers)
 
@@ -146,6 +147,34 @@ async def test_remove_after_the_drain_timeout_reports_what_is_still_busy(
     assert r.ledger.load(d) == 1, "the request in flight keeps its charge"
     lease.release_all()
     assert r.ledger.load(d) == 0
+
+
+def test_runtime_servers_past_the_cap_are_refused_and_change_nothing() -> None:
+    r = rig(max_runtime=2)
+    r.fleet.add_at_start("http://p:1", Role.PREFILL)  # the command line's: not counted
+    r.fleet.add("http://d:1", Role.DECODE, serving=True)
+    r.fleet.add("http://d:2", Role.DECODE, serving=True)
+    before = r.fleet.endpoints()
+    with pytest.raises(FleetFull, match="--max-runtime-servers"):
+        r.fleet.add("http://d:3", Role.DECODE, serving=True)
+    assert r.fleet.endpoints() == before and r.health.health("http://d:3") is None
+    assert r.ledger.by_role(Role.DECODE) == {"http://d:1": 0, "http://d:2": 0}
+    r.fleet.withdraw("http://d:1")
+    r.fleet.add("http://d:3", Role.DECODE, serving=True)  # room again
+
+
+async def test_one_role_of_a_url_can_be_removed_and_the_other_keeps_serving() -> None:
+    r = rig()
+    (p,) = r.fleet.add("http://x:1", Role.PREFILL, serving=True)
+    r.fleet.add("http://x:1", Role.DECODE, serving=True)
+    removal = await r.fleet.remove("http://x:1", drain_timeout=1, role=Role.DECODE)
+    assert removal is not None and [ep.role for ep in removal.removed] == [Role.DECODE]
+    assert r.fleet.endpoints() == [p]
+    assert r.health.health("http://x:1") == "healthy", "the URL still serves prefill"
+    assert r.fleet.origin("http://x:1") is not None
+    assert await r.fleet.remove("http://x:1", drain_timeout=1, role=Role.DECODE) is None
+    await r.fleet.remove("http://x:1", drain_timeout=1)
+    assert r.fleet.endpoints() == [] and r.health.health("http://x:1") is None
 
 
 # -- collaborators are given at construction ----------------------------------------------------

@@ -87,11 +87,30 @@ def test_the_supervisor_zeroes_a_dead_workers_row(
     assert alive.load(D[1]) == 0
 
 
-def test_a_full_table_says_so(table: MachineTable) -> None:
+def test_a_removed_endpoint_gives_its_slot_back_at_its_last_release(
+    table: MachineTable, attach: Callable[[], MachineTable]
+) -> None:
+    a = MachineLedger(attach(), 0, D)
+    b = MachineLedger(attach(), 1, D)
+    lease = a.lease(D[0])
+    for ledger in (a, b):
+        ledger.forget_when_idle(D[0])
+    assert "decode " + D[0].key in table.holders()  # a's lease still holds it
+    lease.release_all()
+    assert table.holders() == {"decode " + D[1].key: 2}
+    assert a.load(D[0]) == 0 and b.load(D[0]) == 0
+
+
+def test_a_full_table_refuses_an_endpoint_and_changes_nothing(
+    table: MachineTable, attach: Callable[[], MachineTable]
+) -> None:
+    ledger = MachineLedger(attach(), 0)
     for i in range(table.slots):
-        table.slot(f"decode http://d:{i + 1}")
+        ledger.add_endpoint(Endpoint(f"http://d:{i + 1}", Role.DECODE))
     with pytest.raises(TableFull):
-        table.slot("decode http://d:99")
+        ledger.add_endpoint(Endpoint("http://d:99", Role.DECODE))
+    assert len(table.holders()) == table.slots
+    assert "decode http://d:99" not in table.holders()
 
 
 def test_the_lock_excludes_another_open_of_the_lock_file(table: MachineTable) -> None:
@@ -277,7 +296,7 @@ def test_the_visible_load_read_mid_charge_of_another_worker_is_never_negative(
     ledger = MachineLedger(attach(), 0, D)
     # Worker 1 half-way through charging a PENDING slot as worker 0 reads COUNT, then PENDING:
     # the PENDING cell already written, its COUNT not read back yet.
-    slot = table.slot("decode " + D[0].key)
+    slot = table.hold(1, "decode " + D[0].key)
     table.add(1, slot, PENDING, 1)
     assert ledger.visible(D[0]) == 0
     assert ledger.visible_snapshot()["decode"] == {D[0].key: 0, D[1].key: 0}

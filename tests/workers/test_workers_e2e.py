@@ -286,3 +286,46 @@ async def test_workers_stop_when_their_supervisor_is_killed() -> None:
 
         await eventually(all_exited, timeout=15)  # each drains (nothing in flight) and exits
         nursery.cancel_scope.cancel()
+
+
+async def test_two_thousand_servers_added_and_removed_leave_every_worker_serving_the_same() -> None:
+    """Pod churn through the admin routes: each cycle a new address, as Kubernetes gives each new
+    pod. Slots and the change log are reclaimed: no add is refused, no worker dies."""
+    async with trio.open_nursery() as nursery:
+        sims = await start_sims(nursery)
+        sup = await start_supervisor(nursery, 2, pd_args(sims, "--policy", "round_robin"))
+        await sup.wait_for(lambda: len(sup.pids) == 2, 30)
+        pids = dict(sup.pids)
+        clients = [httpx.AsyncClient(timeout=30) for _ in range(4)]  # spread over the workers
+        try:
+            for i in range(2000):
+                client = clients[i % len(clients)]
+                url = f"http://127.0.0.2:{20000 + i}"
+                role = "decode" if i % 2 else "prefill"
+                added = await client.post(sup.url + "/workers", json={"url": url, "role": role})
+                assert added.status_code == 201, (i, added.text)
+                removed = await client.delete(f"{sup.url}/workers/{url}")
+                assert removed.status_code == 200, (i, removed.text)
+        finally:
+            for client in clients:
+                await client.aclose()
+
+        async def every_worker_lists_the_command_lines_servers() -> bool:
+            for _ in range(12):  # fresh connections: the kernel spreads them over the workers
+                async with httpx.AsyncClient(timeout=10) as client:
+                    workers = (await client.get(sup.url + "/workers")).json()["workers"]
+                if sorted(w["url"] for w in workers) != sorted(s.url for s in sims):
+                    return False
+            return True
+
+        await eventually(every_worker_lists_the_command_lines_servers)
+        async with httpx.AsyncClient(timeout=30) as client:
+            for _ in range(4):
+                resp = await client.post(
+                    sup.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}
+                )
+                assert resp.status_code == 200, resp.text
+        assert sup.pids == pids, "no worker died"
+        assert b"Traceback" not in sup.log
+        assert await stop_supervisor(sup) == 0
+        nursery.cancel_scope.cancel()

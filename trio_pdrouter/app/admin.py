@@ -10,14 +10,14 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote
 
 import httpx
 import orjson
 
 from ..config import RouterConfig
 from ..endpoints import Role
-from ..fleet import DuplicateServer, EngineTruth, Fleet
+from ..fleet import DuplicateServer, EngineTruth, Fleet, FleetFull
 from ..http import Receive, Reply, Scope, Send, errors
 from ..kv import KvEvents
 from ..ledger import LoadLedger, PeerLoads, Snapshot, cluster_view
@@ -147,6 +147,11 @@ class AdminRoutes:
         except DuplicateServer as exc:
             await send_reply(send, Reply.error(errors.RouterError(409, str(exc), "conflict_error")))
             return
+        except FleetFull as exc:
+            log.warning("worker_refused url=%s role=%s reason=%s", url, role_name, exc)
+            error = errors.RouterError(503, str(exc), "service_unavailable")
+            await send_reply(send, Reply.error(error))
+            return
         except ValueError as exc:
             await send_reply(send, Reply.error(errors.bad_request(str(exc), "url")))
             return
@@ -155,15 +160,29 @@ class AdminRoutes:
         await send_reply(send, Reply.json(orjson.dumps(payload), status=201))
 
     async def remove_worker(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """``DELETE /workers/{url}``: stop routing to it, wait for its requests, forget it."""
+        """``DELETE /workers/{url}[?role=prefill|decode|regular]``: stop routing to it (in that
+        role, else in every role), wait for its requests, forget it."""
         # Decoded once: from the bytes received where the server gives them, else its path,
         # which ASGI servers have already decoded (decoding that again would change a URL).
         raw: bytes | None = scope.get("raw_path")
         target = unquote(raw.decode("latin-1")) if raw else scope["path"]
         url = target[len(WORKER_PREFIX) :].rstrip("/")
-        removal = await self._fleet.remove(url, self._config.server.graceful_timeout)
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        roles = query.get("role", [])
+        if len(roles) > 1 or (roles and roles[0] not in {r.value for r in Role}):
+            error = errors.bad_request("role must be one of prefill, decode, regular", "role")
+            await send_reply(send, Reply.error(error))
+            return
+        role = Role(roles[0]) if roles else None
+        try:
+            removal = await self._fleet.remove(url, self._config.server.graceful_timeout, role)
+        except FleetFull as exc:
+            error = errors.RouterError(503, str(exc), "service_unavailable")
+            await send_reply(send, Reply.error(error))
+            return
         if removal is None:
-            await send_reply(send, Reply.error(errors.not_found(f"worker {url}")))
+            what = f"worker {url}" if role is None else f"{role.value} worker {url}"
+            await send_reply(send, Reply.error(errors.not_found(what)))
             return
         in_flight = removal.in_flight
         log.info("worker_removed url=%s in_flight=%d", url, in_flight)

@@ -126,6 +126,17 @@ class RouterConfig:
         ),
         check=must(lambda n: n >= 1, "must be at least 1"),
     )
+    max_runtime_servers: int = setting(
+        256,
+        Flag(
+            "--max-runtime-servers",
+            Group.UPSTREAMS,
+            "servers (a URL in one role) that POST /workers and --service-discovery may add,"
+            " per process; past it an add answers 503 and discovery logs the pod it skipped",
+            type=int,
+        ),
+        check=must(lambda n: n >= 0, "must be 0 or more"),
+    )
     kv_connector: str = setting(
         "nixl",
         Flag(

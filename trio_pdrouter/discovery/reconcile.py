@@ -18,9 +18,10 @@ Rules of this module:
   address), is withdrawn and added again as what the pods now say.
 * Servers from the command line or ``POST /workers`` are never removed by discovery: a pod at
   the address of one of them is left to it (logged once), in any role, and never added.
-* With ``--workers N`` the machine's table has room for a bounded number of endpoints and
-  runtime changes (:class:`~trio_pdrouter.machine.table.TableFull`): past it a change is logged as
-  an error and skipped, and discovery goes on.
+* The fleet has room for a bounded number of runtime servers (``--max-runtime-servers``, and
+  with ``--workers N`` the machine table's slots: :class:`~trio_pdrouter.fleet.FleetFull`): past
+  it a change is logged as an error and skipped, and discovery goes on (the next sync tries it
+  again).
 * One log line per change: ``discovery added|removed url=... role=... pod=ns/name uid=...``,
   with the reason of a removal.
 """
@@ -34,8 +35,7 @@ import trio
 
 from ..config import Selector
 from ..endpoints import Role
-from ..fleet import Fleet, Origin
-from ..machine import TableFull
+from ..fleet import Fleet, FleetFull, Origin
 from .pod_rule import Pod, PodServer, ineligible, pod_ref, servers_of
 
 log = logging.getLogger("trio_pdrouter.discovery")
@@ -142,7 +142,7 @@ class Reconciler:
         roles = [ep.role for ep in self._fleet.endpoints_of(url)]
         try:
             removed = self._fleet.withdraw(url)
-        except TableFull as exc:
+        except FleetFull as exc:
             log.error("discovery url=%s not removed on every worker: %s", url, exc)
             return
         if not removed:
@@ -182,7 +182,7 @@ class Reconciler:
         except ValueError as exc:  # an address the router cannot use
             log.warning("discovery pod=%s refused: %s", server.pod.key, exc)
             return
-        except TableFull as exc:
+        except FleetFull as exc:
             log.error("discovery url=%s not added: %s", server.url, exc)
             return
         self._why.pop(server.url, None)

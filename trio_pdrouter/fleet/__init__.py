@@ -15,7 +15,7 @@ from .breakers import Breakers
 from .engine_truth import EngineLoad, EngineTruth, ScrapeError, endpoint_loads, parse_engine_loads
 from .health import HealthBoard, Verdicts
 from .model_limits import ModelLimits
-from .servers import API, DuplicateServer, Fleet, MachineServers, Origin, PodRef
+from .servers import API, DuplicateServer, Fleet, FleetFull, MachineServers, Origin, PodRef
 from .startup import StartupTimeout, wait_until_healthy
 from .verdicts import PROBER_ROW, MachineVerdicts
 
@@ -27,6 +27,7 @@ __all__ = [
     "EngineLoad",
     "EngineTruth",
     "Fleet",
+    "FleetFull",
     "HealthBoard",
     "MachineServers",
     "MachineVerdicts",

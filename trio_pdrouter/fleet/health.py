@@ -63,6 +63,8 @@ class Verdicts(Protocol):
     """The machine's health verdicts per URL
     (:class:`~trio_pdrouter.fleet.verdicts.MachineVerdicts`)."""
 
+    def hold(self, url: str) -> None: ...
+    def let_go(self, url: str) -> None: ...
     def publish(self, url: str, health: Health) -> None: ...
     def read(self, url: str) -> Health | None: ...
 
@@ -91,12 +93,17 @@ class HealthBoard:
         urls: Iterable[str] = (),
         on_change: OnChange | None = None,
         verdicts: Verdicts | None = None,
+        publish: bool = True,
     ) -> None:
-        """``verdicts``: where this board publishes (the machine's prober) or nothing."""
+        """``verdicts``: the machine's verdicts (``--workers N``), which this board publishes
+        (the machine's prober, ``publish``) or follows; None for a single process."""
         self._settings = settings
         self._verdicts = verdicts
+        self._publish = publish
         self._on_change = on_change
-        self._probes: dict[str, _Probe] = {url: _Probe(Health.HEALTHY) for url in urls}
+        self._probes: dict[str, _Probe] = {}
+        for url in urls:
+            self._watch(url, Health.HEALTHY)
         self._nursery: trio.Nursery | None = None
         self._client: httpx.AsyncClient | None = None
 
@@ -122,7 +129,7 @@ class HealthBoard:
         """
         if url in self._probes:
             return
-        probe = self._probes[url] = _Probe(Health.HEALTHY if healthy else Health.PENDING)
+        probe = self._watch(url, Health.HEALTHY if healthy else Health.PENDING)
         if self._nursery is not None and self._client is not None:
             self._nursery.start_soon(self._probe_forever, self._client, url, probe)
 
@@ -131,6 +138,14 @@ class HealthBoard:
         probe = self._probes.pop(url, None)
         if probe is not None:
             probe.scope.cancel()
+            if self._verdicts is not None:
+                self._verdicts.let_go(url)
+
+    def _watch(self, url: str, health: Health) -> _Probe:
+        if self._verdicts is not None:
+            self._verdicts.hold(url)  # first: a full machine table changes nothing here
+        probe = self._probes[url] = _Probe(health)
+        return probe
 
     async def run(
         self,
@@ -150,8 +165,11 @@ class HealthBoard:
             finally:
                 self._nursery = self._client = None
 
-    async def follow(self, verdicts: Verdicts, interval: float) -> None:
+    async def follow(self, interval: float) -> None:
         """Take the machine prober's verdicts every ``interval`` seconds instead of probing."""
+        verdicts = self._verdicts
+        if verdicts is None:
+            return
         while True:
             for url, probe in list(self._probes.items()):
                 health = verdicts.read(url)
@@ -182,8 +200,8 @@ class HealthBoard:
 
     def _record(self, url: str, probe: _Probe, ok: bool) -> None:
         self._judge(url, probe, ok)
-        if self._verdicts is not None:  # every verdict, not only changes: a replacement prober
-            self._verdicts.publish(url, probe.health)  # may start from another state
+        if self._verdicts is not None and self._publish:  # every verdict, not only changes: a
+            self._verdicts.publish(url, probe.health)  # replacement prober may start elsewhere
 
     def _judge(self, url: str, probe: _Probe, ok: bool) -> None:
         s = self._settings

@@ -15,21 +15,29 @@ server from :class:`Fleet` and from nowhere else:
   requests still running keep their leases and release what they took whenever they end.
   :meth:`Fleet.withdraw` is its first half alone, synchronous, for a caller that drains in a
   task of its own (discovery). A server added back while its old self drains keeps counting.
+* A server is a (role, URL) pair: :meth:`Fleet.remove` and :meth:`Fleet.withdraw` take one
+  role of a URL or, by default, all of them. Servers added at run time (``api`` or
+  ``discovery``) are capped at ``max_runtime`` per process (``--max-runtime-servers``): past it
+  an add raises :class:`FleetFull`, as it does when the machine table has no room; nothing
+  changes then.
 * Every server has an :class:`Origin`: ``static`` (the command line), ``api``
   (``POST /workers``) or ``discovery`` (a Kubernetes pod, named with its UID); ``/workers``
   shows it and discovery removes only servers whose origin is ``discovery``.
 * With ``--workers N`` the fleet is given the machine's :class:`ServerLog`: every runtime add
   or remove, in whichever worker, is applied here and appended to the log in one step under the
-  machine lock, after replaying what this worker had not seen yet; :meth:`Fleet.follow`
-  replays other workers' changes within ``interval`` seconds, and a replacement worker replays
-  the whole log at start. Servers from the command line are not logged: every worker starts
-  with them.
+  machine lock, after catching up with what other workers logged, and only once the log and the
+  machine table have room for it. The log's entries (``add ROLE URL ORIGIN``, ``remove ROLE
+  URL``) fold into the servers the machine wants (:func:`fold`, starting from the command line's,
+  which every worker starts with and which are not logged); catching up is making this worker's
+  servers those (:meth:`Fleet._reconcile`), so a worker that fell behind a compaction of the log
+  (its snapshot of what is wanted now) converges just as one that read every change.
+  :meth:`Fleet.follow` catches up within ``interval`` seconds, a replacement worker at start.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Sequence
+import logging
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -37,10 +45,14 @@ import attrs
 import trio
 
 from ..endpoints import Endpoint, Role, expand
-from ..ledger import LoadLedger
+from ..ledger import LoadLedger, slot_key
+from ..machine import Changes, TableFull
 from ..routing import Routing
 from .breakers import Breakers
 from .health import HealthBoard
+from .verdicts import health_key
+
+log = logging.getLogger("trio_pdrouter.fleet")
 
 
 class DuplicateServer(ValueError):
@@ -105,14 +117,26 @@ STATIC = Origin("static")
 API = Origin("api")
 
 
+class FleetFull(RuntimeError):
+    """No room for another server (the runtime cap or the machine table): nothing changed."""
+
+
+#: A server: one role of one URL.
+ServerKey = tuple[Role, str]
+
+
 class ServerLog(Protocol):
     """The machine's runtime server changes (:class:`~trio_pdrouter.machine.table.MachineTable`)."""
 
     @property
     def generation(self) -> int: ...
+    @property
+    def room(self) -> int: ...
     def locked(self) -> AbstractContextManager[None]: ...
     def append_change(self, change: str) -> int: ...
-    def changes(self, since: int) -> list[str]: ...
+    def compact(self, snapshot: Sequence[str]) -> None: ...
+    def changes(self, since: int) -> Changes: ...
+    def check_room(self, keys: Iterable[str]) -> None: ...
 
 
 @attrs.frozen
@@ -123,6 +147,16 @@ class MachineServers:
     log: ServerLog
     background: trio.Nursery
     drain_timeout: float
+
+
+def fold(wanted: dict[ServerKey, Origin], entries: Iterable[str]) -> None:
+    """Apply logged changes to ``wanted``, the servers the machine wants, in order."""
+    for entry in entries:
+        op, role, url, *origin = entry.split(" ")
+        key = (Role(role), url)
+        wanted.pop(key, None)
+        if op == "add":
+            wanted[key] = Origin.decode(origin[0]) if origin else API
 
 
 class Fleet:
@@ -137,6 +171,7 @@ class Fleet:
         health: HealthBoard,
         breakers: Breakers,
         machine: MachineServers | None,
+        max_runtime: int,
     ) -> None:
         self._dp_size = dp_size
         self._routing = routing
@@ -144,9 +179,13 @@ class Fleet:
         self._health = health
         self._breakers = breakers
         self._machine = machine
+        self._max_runtime = max_runtime
         self._log = None if machine is None else machine.log
         self._applied = 0
         self._origins: dict[str, Origin] = {}
+        self._static: set[ServerKey] = set()
+        #: With a log: the servers the machine wants as of ``_applied``.
+        self._wanted: dict[ServerKey, Origin] = {}
 
     @property
     def roles(self) -> tuple[Role, ...]:
@@ -159,6 +198,10 @@ class Fleet:
 
     def endpoints_of(self, url: str) -> list[Endpoint]:
         return [ep for ep in self.endpoints() if ep.url == url]
+
+    def servers(self) -> list[ServerKey]:
+        """Every server, in routing order."""
+        return list(dict.fromkeys((ep.role, ep.url) for ep in self.endpoints()))
 
     def origin(self, url: str) -> Origin | None:
         """Where the server at ``url`` came from; None if there is none."""
@@ -175,38 +218,50 @@ class Fleet:
         at once, else after its first successful health probe.
 
         Raises :class:`DuplicateServer` if the URL already serves ``role``, ``ValueError`` for a
-        bad URL or a role this mode does not have.
+        bad URL or a role this mode does not have, :class:`FleetFull` when there is no room.
         """
         if self._log is None:
-            return self._add(url, role, serving, origin)
+            added = self._planned(url, role)
+            self._check_cap(added[0])
+            return self._add(added, serving, origin)
         with self._log.locked():
             self._catch_up()
-            added = self._add(url, role, serving, origin)
-            self._publish(f"add {role.value} {added[0].url} {origin.encode()}")
+            added = self._planned(url, role)
+            self._check_cap(added[0])
+            self._make_room(1)
+            self._check_table(added)
+            self._add(added, serving, origin)
+            self._publish([f"add {role.value} {added[0].url} {origin.encode()}"])
             return added
 
-    async def remove(self, url: str, drain_timeout: float) -> Removal | None:
-        """Remove the server at ``url`` from every role; None if there is none."""
-        removed = self.withdraw(url)
+    async def remove(
+        self, url: str, drain_timeout: float, role: Role | None = None
+    ) -> Removal | None:
+        """Remove the server at ``url`` (in ``role``, or every role); None if there is none."""
+        removed = self.withdraw(url, role)
         if not removed:
             return None
         return await self.drain(removed, drain_timeout)
 
-    def withdraw(self, url: str) -> list[Endpoint]:
-        """The first half of :meth:`remove`, synchronous: no new request goes to ``url`` from
-        now on; its endpoints (empty if there is no such server), for :meth:`drain`."""
+    def withdraw(self, url: str, role: Role | None = None) -> list[Endpoint]:
+        """The first half of :meth:`remove`, synchronous: no new request goes to ``url`` (in
+        ``role``, or every role) from now on; its endpoints (empty if there is no such server),
+        for :meth:`drain`."""
         url = url.rstrip("/")
         if self._log is None:
-            return self._withdraw(url)
+            return self._withdraw(url, role)
         with self._log.locked():
             self._catch_up()
-            removed = self._withdraw(url)
-            if removed:
-                self._publish(f"remove - {url}")
+            roles = [r for r, u in self.servers() if u == url and role in (None, r)]
+            if not roles:
+                return []
+            self._make_room(len(roles))
+            removed = self._withdraw(url, role)
+            self._publish([f"remove {r.value} {url}" for r in roles])
             return removed
 
     async def follow(self, interval: float) -> None:
-        """Replay other workers' server changes every ``interval`` seconds (``--workers N``)."""
+        """Catch up with other workers' server changes every ``interval`` seconds."""
         log = self._log
         if log is None:
             return
@@ -217,61 +272,143 @@ class Fleet:
             await trio.sleep(interval)
 
     def add_at_start(self, url: str, role: Role) -> tuple[Endpoint, ...]:
-        """A server of the command line: every worker starts with it, so it is not logged."""
-        return self._add(url, role, True, STATIC)
+        """A server of the command line, serving at once. Every worker of ``--workers N`` starts
+        with them, so they are not logged; there :meth:`catch_up` adds them, unless the
+        machine's log says they were removed since."""
+        planned = self._planned(url, role)
+        key = (role, planned[0].url)
+        self._static.add(key)
+        if self._log is None:
+            return self._add(planned, True, STATIC)
+        self._wanted[key] = STATIC
+        return planned
 
     def catch_up(self) -> None:
-        """Replay the machine's server changes this worker has not applied (at start)."""
+        """Make this worker's servers the machine's (at start)."""
         if self._log is not None:
             with self._log.locked():
-                self._catch_up()
+                self._catch_up(start=True)
 
-    def _catch_up(self) -> None:
+    def _catch_up(self, *, start: bool = False) -> None:
         assert self._log is not None
-        for change in self._log.changes(self._applied):
-            op, role, url, *origin = change.split(" ")
-            self._applied += 1
-            if op == "add":
-                with contextlib.suppress(ValueError):  # DuplicateServer included: already here
-                    self._add(url, Role(role), False, Origin.decode(origin[0]) if origin else API)
-            else:
-                removed = self._withdraw(url)
-                if removed and self._machine is not None:
-                    machine = self._machine
-                    machine.background.start_soon(self.drain, removed, machine.drain_timeout)
+        changes = self._log.changes(self._applied)
+        if changes.reset:  # fell behind a compaction: start again from the command line's
+            self._wanted = dict.fromkeys(self._static, STATIC)
+        elif not changes.entries and not start:
+            return
+        fold(self._wanted, changes.entries)
+        self._applied = changes.generation
+        self._reconcile()
 
-    def _publish(self, change: str) -> None:
+    def _reconcile(self) -> None:
+        """Make this worker's servers the ones the machine wants."""
+        assert self._machine is not None
+        machine, wanted = self._machine, self._wanted
+        for role, url in self.servers():
+            if (role, url) not in wanted:
+                removed = self._withdraw(url, role)
+                machine.background.start_soon(self.drain, removed, machine.drain_timeout)
+        have = set(self.servers())
+        for (role, url), origin in wanted.items():
+            if (role, url) in have:
+                continue
+            added = self._planned(url, role)
+            try:
+                self._check_table(added)
+            except FleetFull as exc:  # only if a dead worker's servers were reclaimed meanwhile
+                log.error("server url=%s role=%s not followed: %s", url, role.value, exc)
+                continue
+            self._add(added, origin == STATIC, origin)  # the command line's serve at once
+
+    def _publish(self, changes: list[str]) -> None:
         assert self._log is not None
-        self._applied = self._log.append_change(change)
+        fold(self._wanted, changes)
+        for change in changes:
+            self._applied = self._log.append_change(change)
 
-    def _add(self, url: str, role: Role, serving: bool, origin: Origin) -> tuple[Endpoint, ...]:
+    def _make_room(self, changes: int) -> None:
+        """Compact the log if ``changes`` more do not fit; FleetFull if they still do not."""
+        assert self._log is not None
+        log_ = self._log
+        if log_.room >= changes:
+            return
+        snapshot = [
+            f"remove {role.value} {url}"
+            for role, url in self._static
+            if (role, url) not in self._wanted
+        ] + [
+            f"add {role.value} {url} {origin.encode()}"
+            for (role, url), origin in self._wanted.items()
+            if (role, url) not in self._static or origin != STATIC
+        ]
+        try:
+            log_.compact(snapshot)
+        except TableFull as exc:
+            raise FleetFull(str(exc)) from None
+        log.info("server_log compacted entries=%d generation=%d", len(snapshot), self._applied)
+        if log_.room < changes:
+            raise FleetFull(f"the machine's server change log has no room for {changes} changes")
+
+    def _check_table(self, added: Sequence[Endpoint]) -> None:
+        """FleetFull unless the machine table has a slot for each of ``added`` (and the URL's
+        health verdict): then adding them cannot fail half-way."""
+        assert self._log is not None
+        url = added[0].url
+        keys = [slot_key(ep) for ep in added]
+        if url not in self._health.urls:
+            keys.append(health_key(url))
+        try:
+            self._log.check_room(keys)
+        except TableFull as exc:
+            raise FleetFull(str(exc)) from None
+
+    def _check_cap(self, server: Endpoint) -> None:
+        runtime = sum(1 for key in self.servers() if key not in self._static)
+        if (server.role, server.url) not in self._static and runtime >= self._max_runtime:
+            raise FleetFull(
+                f"the router serves {runtime} servers added at run time, its"
+                " --max-runtime-servers: remove one first"
+            )
+
+    def _planned(self, url: str, role: Role) -> tuple[Endpoint, ...]:
+        """The endpoints of ``url`` in ``role``; ValueError (DuplicateServer included) if it
+        cannot be added."""
         if role not in self._routing.roles:
             modes = ", ".join(r.value for r in self._routing.roles)
             raise ValueError(f"role {role.value!r} does not exist in this mode (use {modes})")
         added = expand([url], role, self._dp_size)
-        current = self._routing.endpoints(role)
-        if any(ep.url == added[0].url for ep in current):
+        if any(ep.url == added[0].url for ep in self._routing.endpoints(role)):
             raise DuplicateServer(f"{added[0].url} is already a {role.value} server")
-        for ep in added:
-            self._ledger.add_endpoint(ep)
-        self._routing.set_endpoints(role, [*current, *added])
-        self._health.add_url(added[0].url, healthy=serving)
-        self._origins.setdefault(added[0].url, origin)
         return added
 
-    def _withdraw(self, url: str) -> list[Endpoint]:
-        """Take ``url`` out of routing, health and the breakers at once; its endpoints."""
+    def _add(
+        self, added: tuple[Endpoint, ...], serving: bool, origin: Origin
+    ) -> tuple[Endpoint, ...]:
+        role, url = added[0].role, added[0].url
+        for ep in added:
+            self._ledger.add_endpoint(ep)
+        self._routing.set_endpoints(role, [*self._routing.endpoints(role), *added])
+        self._health.add_url(url, healthy=serving)
+        self._origins.setdefault(url, origin)
+        return added
+
+    def _withdraw(self, url: str, role: Role | None) -> list[Endpoint]:
+        """Take ``url`` (in ``role``, or every role) out of routing and the breakers at once,
+        and out of health once it serves no role; its endpoints."""
         removed: list[Endpoint] = []
-        for role in self._routing.roles:
-            eps = self._routing.endpoints(role)
+        for r in self._routing.roles:
+            if role not in (None, r):
+                continue
+            eps = self._routing.endpoints(r)
             gone = [ep for ep in eps if ep.url == url]
             if gone:
-                self._routing.set_endpoints(role, [ep for ep in eps if ep.url != url])
+                self._routing.set_endpoints(r, [ep for ep in eps if ep.url != url])
                 removed.extend(gone)
         if not removed:
             return removed
-        self._health.remove_url(url)
-        self._origins.pop(url, None)
+        if not self.endpoints_of(url):
+            self._health.remove_url(url)
+            self._origins.pop(url, None)
         for ep in removed:
             self._breakers.forget(ep)
         return removed

@@ -33,7 +33,7 @@ from .cost import (
     uncached,
 )
 from .load import Lease, LoadLedger
-from .machine import MachineLedger
+from .machine import MachineLedger, slot_key
 from .replicas import PeerLoads, Snapshot, cluster_view
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
     "exchange_timeout",
     "output_tokens",
     "prompt_tokens",
+    "slot_key",
     "token_count",
     "uncached",
 ]

@@ -28,7 +28,7 @@ Rules of this module (everything that changes a counter lives here):
   left the prefill engine (:mod:`trio_pdrouter.kv.forecast`). It must not raise.
 * Every change goes through ``_change`` (and ``_sent``), which ends in the ``_record`` hook:
   a subclass that mirrors the ledger elsewhere (the machine ledger's shared row) overrides only
-  that hook.
+  that hook, and ``_forgotten``, told when a removed endpoint's counters are dropped.
 * The ledger is never reset by timers or health checks; an endpoint removed from routing keeps its
   counter until its last lease is released, so an in-flight request always releases what it took.
 
@@ -78,7 +78,8 @@ class LoadLedger:
     def forget_when_idle(self, endpoint: Endpoint) -> None:
         """Drop a removed endpoint's counter now if nothing holds it, else at its last release."""
         if self._counts.get(endpoint, 0) == 0:
-            self._counts.pop(endpoint, None)
+            if self._counts.pop(endpoint, None) is not None:
+                self._forgotten(endpoint)
         else:
             self._retired.add(endpoint)
 
@@ -193,6 +194,7 @@ class LoadLedger:
                 del self._counts[endpoint]
                 self._pending.pop(endpoint, None)
                 self._tokens.pop(endpoint, None)
+                self._forgotten(endpoint)
         if self._observers:
             load = self.load(endpoint)
             for observer in self._observers:
@@ -207,6 +209,9 @@ class LoadLedger:
 
     def _record(self, endpoint: Endpoint, count: int, pending: int, tokens: int) -> None:
         """Told every change (deltas) after this ledger applied it; mirrors override it."""
+
+    def _forgotten(self, endpoint: Endpoint) -> None:
+        """Told when a removed endpoint's counters are dropped; mirrors override it."""
 
     def _notify_visible(self, endpoint: Endpoint) -> None:
         if self._visible_observers:

@@ -16,6 +16,9 @@ Rules of this module:
   workers notify nobody here; readers that mirror loads (metrics) re-read on demand.
 * What this worker itself holds (``wait_idle``, ``forget_when_idle``, the never-negative check)
   is its own row: a worker can wait only for the requests it runs.
+* The worker holds an endpoint's slot (:meth:`~trio_pdrouter.machine.table.MachineTable.hold`)
+  from ``add_endpoint`` until the base class forgets the endpoint (a removed server, at its last
+  release here), then lets it go: a slot no worker holds goes back to the machine's pool.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class MachineLedger(LoadLedger):
 
     def add_endpoint(self, endpoint: Endpoint) -> None:
         if endpoint not in self._slots:
-            self._slots[endpoint] = self._table.slot(slot_key(endpoint))
+            self._slots[endpoint] = self._table.hold(self._row, slot_key(endpoint))
         super().add_endpoint(endpoint)
 
     def charging(self) -> AbstractContextManager[None]:
@@ -103,6 +106,10 @@ class MachineLedger(LoadLedger):
         return self._counts.get(endpoint, 0)
 
     # -- this worker's row ---------------------------------------------------------------------
+
+    def _forgotten(self, endpoint: Endpoint) -> None:
+        if self._slots.pop(endpoint, None) is not None:
+            self._table.let_go(self._row, slot_key(endpoint))
 
     def _record(self, endpoint: Endpoint, count: int, pending: int, tokens: int) -> None:
         slot = self._slots.get(endpoint)

@@ -16,14 +16,29 @@ from __future__ import annotations
 from .prefix_ring import PrefixRing
 from .ring import STAGES
 from .route_ring import RouteRing
-from .table import COUNT, PENDING, TOKENS, VERDICT, MachineTable, TableFull
+from .table import (
+    COUNT,
+    DEFAULT_LOG_ENTRIES,
+    DEFAULT_SLOTS,
+    HELD,
+    PENDING,
+    TOKENS,
+    VERDICT,
+    Changes,
+    MachineTable,
+    TableFull,
+)
 
 __all__ = [
     "COUNT",
+    "DEFAULT_LOG_ENTRIES",
+    "DEFAULT_SLOTS",
+    "HELD",
     "PENDING",
     "STAGES",
     "TOKENS",
     "VERDICT",
+    "Changes",
     "MachineTable",
     "PrefixRing",
     "RouteRing",

@@ -4,29 +4,43 @@ Rules of this module (the layout and the only code that reads or writes it):
 
 * One ``multiprocessing.shared_memory`` block holds a header, an endpoint table and the cells::
 
-      header   HEADER_CELLS int64: magic, rows, slots, columns, server changes logged, spare...
+      header   HEADER_CELLS int64: magic, rows, slots, columns, generation, base, snapshot
+               length, log entries
       keys     slots x KEY_BYTES: the endpoint owning each slot ("role key", utf-8; empty = free)
-      changes  LOG_ENTRIES x ENTRY_BYTES: the runtime server changes, in order (utf-8 text)
+      changes  log entries x ENTRY_BYTES: the runtime server changes (utf-8 text)
       cells    rows x slots x columns int64
       prefixes each worker's recent prefix-tree inserts (:mod:`.prefix_ring` owns the layout)
       routes   each worker's prompts in flight for the forecasts (:mod:`.route_ring` owns it)
 
-  A slot is one endpoint; its columns are :data:`COUNT`, :data:`PENDING` and :data:`TOKENS`
-  (what :class:`~trio_pdrouter.ledger.load.LoadLedger` keeps per endpoint). Every worker finds an
-  endpoint's slot by its key, so workers agree on columns whatever order they learn of
-  endpoints in.
+  A slot is one endpoint (or one URL's health verdict); its columns are :data:`COUNT`,
+  :data:`PENDING`, :data:`VERDICT`, :data:`TOKENS` and :data:`HELD` (what
+  :class:`~trio_pdrouter.ledger.load.LoadLedger` keeps per endpoint, and who uses the slot).
+  Every worker finds an endpoint's slot by its key, so workers agree on columns whatever order
+  they learn of endpoints in.
 * Each worker writes only its own row, so a cell has one writer and needs no atomic add; readers
   sum a column over the rows. The supervisor zeroes a dead worker's row (:meth:`zero_row`)
   before its replacement starts, so a crash never leaves a phantom charge.
+* A slot is **held** by the rows whose :data:`HELD` cell is 1: :meth:`MachineTable.hold` sets it
+  (finding the key's slot, or claiming a free one), :meth:`MachineTable.let_go` clears it once the
+  worker is done with the endpoint (the ledger: at its last release after the server was removed).
+  A slot no row holds is free: the next claim takes it and zeroes its cells first, so a server
+  that comes back (under its old key or another) starts from zero. A dead worker's holds outlive
+  it (:meth:`zero_row` leaves them) until its replacement, having replayed the servers, gives up
+  those it does not use (:meth:`MachineTable.keep_only`): no slot is reused while any process may
+  still write it, and none stays taken by a process that is gone.
 * :meth:`MachineTable.locked` is the machine lock: ``fcntl.flock`` on a lock file, which the
   kernel releases if its holder dies. Routing holds it around the synchronous choose-and-charge,
   so no two workers choose from the same loads. Claiming a slot also takes it. It is reentrant
   within one process (a depth count), since flock on the same file description is not.
-* The change log is append-only, under the machine lock; its length is the fleet generation.
-  What an entry says is :class:`~trio_pdrouter.fleet.servers.Fleet`'s business (``POST``/``DELETE
+* The change log, under the machine lock, is a **snapshot** (the entries that rebuild the state
+  at generation ``base``) followed by the **tail** (the changes from ``base`` on); the generation
+  counts every change ever logged. When it is full the writer replaces it by a new snapshot of
+  the state now (:meth:`MachineTable.compact`); a reader that had not read up to the new base
+  gets the snapshot and the tail and starts again from them (:class:`Changes` ``reset``). What an
+  entry says is :class:`~trio_pdrouter.fleet.servers.Fleet`'s business (``POST``/``DELETE
   /workers`` in any worker append; every worker replays what it has not seen).
-* Slots are never freed: a removed server that comes back gets its old slot (its cells are zero
-  once its leases are released). :data:`DEFAULT_SLOTS` bounds the endpoints a machine can see.
+* Slots and log entries are sized at :meth:`MachineTable.create` from what the machine must
+  hold; when they truly run out, :class:`TableFull` says so before anything changed.
 """
 
 from __future__ import annotations
@@ -34,25 +48,29 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from multiprocessing import resource_tracker, shared_memory
+
+import attrs
 
 from . import prefix_ring, route_ring
 
 MAGIC = 0x7472696F_6C656467  # "trioledg"
 HEADER_CELLS = 8
-_ROWS, _SLOTS, _COLUMNS, _GENERATION = 1, 2, 3, 4
+_ROWS, _SLOTS, _COLUMNS, _GENERATION, _BASE, _SNAPSHOT, _ENTRIES = 1, 2, 3, 4, 5, 6, 7
 KEY_BYTES = 256
 DEFAULT_SLOTS = 1024
 ENTRY_BYTES = 512
-LOG_ENTRIES = 1024
+DEFAULT_LOG_ENTRIES = 1024
 #: Columns of a slot: the in-flight count, the part of it charged but not yet sent (PENDING).
 COUNT, PENDING = 0, 1
 #: In a URL's own slot ("health URL"), in the prober's row: the health verdict it published.
 VERDICT = 2
 #: The token weight of the slots held (see :mod:`trio_pdrouter.ledger.load`).
 TOKENS = 3
-DEFAULT_COLUMNS = 4  # COUNT, PENDING, VERDICT (health slots only), TOKENS
+#: 1 in a row that uses the slot (module doc); a slot no row holds is free.
+HELD = 4
+COLUMNS = 5
 
 
 #: Blocks this process created (and whose unlinking it owns).
@@ -60,7 +78,20 @@ _created: set[str] = set()
 
 
 class TableFull(RuntimeError):
-    """Every slot of the machine table is taken."""
+    """The machine table has no room left for what was asked: nothing was changed."""
+
+
+@attrs.frozen
+class Changes:
+    """What :meth:`MachineTable.changes` read: the entries, and the generation they reach.
+
+    ``reset``: the reader had not read up to the log's base, so ``entries`` are the snapshot and
+    the whole tail, to be applied to the state the log started from.
+    """
+
+    entries: list[str]
+    generation: int
+    reset: bool
 
 
 def _buffer(shm: shared_memory.SharedMemory) -> memoryview:
@@ -70,15 +101,22 @@ def _buffer(shm: shared_memory.SharedMemory) -> memoryview:
     return buf
 
 
-def _size(rows: int, slots: int, columns: int) -> int:
+def _size(rows: int, slots: int, columns: int, entries: int) -> int:
     return (
         8 * HEADER_CELLS
         + slots * KEY_BYTES
-        + LOG_ENTRIES * ENTRY_BYTES
+        + entries * ENTRY_BYTES
         + 8 * rows * slots * columns
         + prefix_ring.LAYOUT.region_size(rows)
         + route_ring.LAYOUT.region_size(rows)
     )
+
+
+def _padded(text: str, size: int, what: str) -> bytes:
+    raw = text.encode()
+    if not raw or len(raw) > size:
+        raise ValueError(f"{what} must be 1..{size} bytes: {text[:80]!r}")
+    return raw.ljust(size, b"\0")
 
 
 class MachineTable:
@@ -94,11 +132,13 @@ class MachineTable:
         buf = _buffer(shm)
         header = buf[: 8 * HEADER_CELLS].cast("q")
         if header[0] != MAGIC:
+            header.release()
             raise ValueError(f"shared memory {shm.name} is not a machine ledger")
         self._header = header
         self.rows, self.slots, self.columns = header[_ROWS], header[_SLOTS], header[_COLUMNS]
+        self.log_entries = header[_ENTRIES]
         keys_end = 8 * HEADER_CELLS + self.slots * KEY_BYTES
-        log_end = keys_end + LOG_ENTRIES * ENTRY_BYTES
+        log_end = keys_end + self.log_entries * ENTRY_BYTES
         self._keys = buf[8 * HEADER_CELLS : keys_end]
         self._log = buf[keys_end:log_end]
         cells_end = log_end + 8 * self.rows * self.slots * self.columns
@@ -110,6 +150,7 @@ class MachineTable:
         self.routes = buf[prefixes_end : prefixes_end + route_ring.LAYOUT.region_size(self.rows)]
         self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         self._depth = 0
+        #: The slots this process holds, by key.
         self._slot_of: dict[str, int] = {}
 
     @classmethod
@@ -119,12 +160,15 @@ class MachineTable:
         lock_path: str,
         *,
         slots: int = DEFAULT_SLOTS,
-        columns: int = DEFAULT_COLUMNS,
+        log_entries: int = DEFAULT_LOG_ENTRIES,
     ) -> MachineTable:
-        shm = shared_memory.SharedMemory(create=True, size=_size(rows, slots, columns))
+        if rows < 1 or slots < 1 or log_entries < 2:
+            raise ValueError(f"a machine table needs rows, slots and log entries: {rows}, {slots}")
+        shm = shared_memory.SharedMemory(create=True, size=_size(rows, slots, COLUMNS, log_entries))
         _created.add(shm.name)
         header = _buffer(shm)[: 8 * HEADER_CELLS].cast("q")
-        header[_ROWS], header[_SLOTS], header[_COLUMNS] = rows, slots, columns
+        header[_ROWS], header[_SLOTS], header[_COLUMNS] = rows, slots, COLUMNS
+        header[_ENTRIES] = log_entries
         header[0] = MAGIC
         header.release()
         return cls(shm, lock_path, owner=True)
@@ -155,29 +199,96 @@ class MachineTable:
             if self._depth == 0:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
-    def slot(self, key: str) -> int:
-        """The slot of the endpoint named ``key``, claiming a free one the first time."""
+    # -- slots -----------------------------------------------------------------------------------
+
+    def hold(self, row: int, key: str) -> int:
+        """The slot of ``key``, held by ``row`` from now on: the key's own slot if it has one,
+        else a free slot claimed for it. Raises :class:`TableFull` if there is none."""
         found = self._slot_of.get(key)
         if found is not None:
             return found
-        raw = key.encode()
-        if not raw or len(raw) > KEY_BYTES:
-            raise ValueError(f"endpoint key must be 1..{KEY_BYTES} bytes: {key!r}")
-        padded = raw.ljust(KEY_BYTES, b"\0")
-        keys = self._keys
+        padded = _padded(key, KEY_BYTES, "an endpoint key")
         with self.locked():
-            for slot in range(self.slots):
-                at = slot * KEY_BYTES
-                current = keys[at : at + KEY_BYTES]
-                if current == padded:
-                    break
-                if current[0] == 0:
-                    keys[at : at + KEY_BYTES] = padded
-                    break
-            else:
-                raise TableFull(f"the machine table has no free slot for {key!r}")
+            slot = self._find(padded)
+            if slot is None:
+                raise TableFull(
+                    f"the machine table's {self.slots} slots are all in use: no room for {key!r}"
+                )
+            if not self._held(slot):  # unused since its last holder let go: start from zero
+                self._zero_slot(slot)
+                self._keys[slot * KEY_BYTES : (slot + 1) * KEY_BYTES] = padded
+            self.put(row, slot, HELD, 1)
         self._slot_of[key] = slot
         return slot
+
+    def check_room(self, keys: Iterable[str]) -> None:
+        """Raise :class:`TableFull` unless :meth:`hold` can take every one of ``keys`` now (the
+        caller holds the lock, so nothing changes between this check and its holds)."""
+        missing, own = 0, set()
+        for key in set(keys):
+            slot = self._slot_of.get(key)
+            if slot is None:
+                slot = self._exact(_padded(key, KEY_BYTES, "an endpoint key"))
+            if slot is None:
+                missing += 1
+            else:
+                own.add(slot)
+        free = sum(1 for slot in range(self.slots) if slot not in own and not self._held(slot))
+        if missing > free:
+            raise TableFull(
+                f"the machine table has {free} free slots of {self.slots}, {missing} needed"
+                " (servers still draining hold theirs until their last request ends)"
+            )
+
+    def let_go(self, row: int, key: str) -> None:
+        """``row`` no longer uses ``key``'s slot (its cells in ``row`` are zero by now)."""
+        slot = self._slot_of.pop(key, None)
+        if slot is not None:
+            self.put(row, slot, HELD, 0)
+
+    def keep_only(self, row: int) -> None:
+        """Let go of every slot ``row`` holds but this process does not: a dead worker's, whose
+        replacement has replayed the servers and holds what it uses."""
+        mine = set(self._slot_of.values())
+        with self.locked():
+            for slot in range(self.slots):
+                if slot not in mine and self.cell(row, slot, HELD):
+                    self.put(row, slot, HELD, 0)
+
+    def holders(self) -> dict[str, int]:
+        """Every held slot's key with the number of rows holding it."""
+        out: dict[str, int] = {}
+        for slot in range(self.slots):
+            n = sum(self.cell(r, slot, HELD) for r in range(self.rows))
+            if n:
+                with self._keys[slot * KEY_BYTES : (slot + 1) * KEY_BYTES] as raw:
+                    out[bytes(raw).rstrip(b"\0").decode()] = n
+        return out
+
+    def _find(self, padded: bytes) -> int | None:
+        """The slot whose key is ``padded``, else the first that no row holds."""
+        exact = self._exact(padded)
+        if exact is not None:
+            return exact
+        return next((slot for slot in range(self.slots) if not self._held(slot)), None)
+
+    def _exact(self, padded: bytes) -> int | None:
+        keys = self._keys
+        for slot in range(self.slots):
+            with keys[slot * KEY_BYTES : (slot + 1) * KEY_BYTES] as current:
+                if current == padded:
+                    return slot
+        return None
+
+    def _held(self, slot: int) -> bool:
+        return any(self.cell(r, slot, HELD) for r in range(self.rows))
+
+    def _zero_slot(self, slot: int) -> None:
+        for r in range(self.rows):
+            for column in range(self.columns):
+                self.put(r, slot, column, 0)
+
+    # -- cells -----------------------------------------------------------------------------------
 
     def add(self, row: int, slot: int, column: int, delta: int) -> int:
         """Add ``delta`` to one cell of ``row`` (the caller's own row); return the cell."""
@@ -200,36 +311,67 @@ class MachineTable:
         return sum(cells[i + r * stride] for r in range(self.rows))
 
     def zero_row(self, row: int) -> None:
-        """Forget everything ``row`` charged: its worker is dead (the supervisor's call)."""
-        width = self.slots * self.columns
-        start = row * width
-        for i in range(start, start + width):
-            self._cells[i] = 0
+        """Forget everything ``row`` charged: its worker is dead (the supervisor's call). Its
+        holds stay until its replacement says which it uses (:meth:`keep_only`)."""
+        for slot in range(self.slots):
+            for column in range(self.columns):
+                if column != HELD:
+                    self.put(row, slot, column, 0)
+
+    # -- the change log --------------------------------------------------------------------------
 
     @property
     def generation(self) -> int:
-        """How many server changes the log holds."""
+        """How many server changes were ever logged."""
         return int(self._header[_GENERATION])
+
+    @property
+    def room(self) -> int:
+        """How many more changes fit before the log must be compacted."""
+        header = self._header
+        used = header[_SNAPSHOT] + header[_GENERATION] - header[_BASE]
+        return int(self.log_entries - used)
 
     def append_change(self, change: str) -> int:
         """Log one server change; return the new generation. The caller holds the lock."""
-        raw = change.encode()
-        n = self.generation
-        if n >= LOG_ENTRIES:
-            raise TableFull(f"the machine's server change log is full ({LOG_ENTRIES} changes)")
-        if not raw or len(raw) > ENTRY_BYTES:
-            raise ValueError(f"a server change must be 1..{ENTRY_BYTES} bytes")
-        self._log[n * ENTRY_BYTES : (n + 1) * ENTRY_BYTES] = raw.ljust(ENTRY_BYTES, b"\0")
-        self._header[_GENERATION] = n + 1
-        return n + 1
+        raw = _padded(change, ENTRY_BYTES, "a server change")
+        if self.room < 1:
+            raise TableFull(f"the machine's server change log is full ({self.log_entries})")
+        header = self._header
+        at = int(header[_SNAPSHOT] + header[_GENERATION] - header[_BASE])
+        self._log[at * ENTRY_BYTES : (at + 1) * ENTRY_BYTES] = raw
+        header[_GENERATION] += 1
+        return int(header[_GENERATION])
 
-    def changes(self, since: int) -> list[str]:
-        """The logged changes from index ``since`` on."""
+    def compact(self, snapshot: Sequence[str]) -> None:
+        """Replace the log by ``snapshot``, the entries that rebuild the state at the current
+        generation. The caller holds the lock; raises :class:`TableFull` (nothing changed) if
+        the snapshot would leave no room for a change."""
+        if len(snapshot) >= self.log_entries:
+            raise TableFull(
+                f"the machine's server change log holds {self.log_entries} entries: the"
+                f" {len(snapshot)} servers changed at run time leave no room"
+            )
+        raws = [_padded(entry, ENTRY_BYTES, "a server change") for entry in snapshot]
+        header = self._header
+        for i, raw in enumerate(raws):
+            self._log[i * ENTRY_BYTES : (i + 1) * ENTRY_BYTES] = raw
+        header[_SNAPSHOT] = len(raws)
+        header[_BASE] = header[_GENERATION]
+
+    def changes(self, since: int) -> Changes:
+        """The changes from generation ``since`` on (see :class:`Changes`)."""
+        header = self._header
+        base, snapshot, generation = int(header[_BASE]), int(header[_SNAPSHOT]), self.generation
+        reset = since < base
+        first = 0 if reset else snapshot + since - base
+        last = snapshot + generation - base
         log = self._log
-        return [
-            bytes(log[i * ENTRY_BYTES : (i + 1) * ENTRY_BYTES]).rstrip(b"\0").decode()
-            for i in range(since, self.generation)
-        ]
+        entries = []
+        for i in range(first, last):
+            with log[i * ENTRY_BYTES : (i + 1) * ENTRY_BYTES] as raw:
+                entries.append(bytes(raw).rstrip(b"\0").decode())
+        return Changes(entries, generation, reset)
 
     def close(self) -> None:
         for view in (self.routes, self.prefixes, self._cells, self._log, self._keys, self._header):

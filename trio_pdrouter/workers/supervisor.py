@@ -35,7 +35,7 @@ import trio
 
 from ..config import RouterConfig
 from ..kv import KvFanout, sources_for
-from ..machine import MachineTable
+from ..machine import DEFAULT_LOG_ENTRIES, DEFAULT_SLOTS, MachineTable
 from .worker import READY, WorkerCommand, worker_command
 
 log = logging.getLogger("trio_pdrouter.supervisor")
@@ -203,6 +203,21 @@ class Supervisor:
         return ready
 
 
+def table_size(config: RouterConfig) -> tuple[int, int]:
+    """(slots, log entries) of the machine table ``config``'s workers need.
+
+    A server takes a slot per endpoint and one for its URL's health verdict; servers removed but
+    still draining keep theirs, so there is room for every server twice. The log's snapshot
+    holds at most every runtime server and every command-line server removed: twice that leaves
+    as much room for changes again.
+    """
+    static = sum(len(urls) for urls in config.servers().values())
+    servers = static + config.max_runtime_servers
+    slots = 2 * servers * (config.dp_size + 1) + 16
+    entries = 2 * (2 * static + config.max_runtime_servers) + 16
+    return max(DEFAULT_SLOTS, slots), max(DEFAULT_LOG_ENTRIES, entries)
+
+
 def _url(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -219,7 +234,13 @@ async def supervise(
     """Create the machine table (and the KV-event fan-out), run the workers until
     ``shutdown_trigger`` returns, clean up."""
     with tempfile.TemporaryDirectory(prefix="trio-pdrouter-") as tmp:
-        table = MachineTable.create(config.server.workers, str(Path(tmp) / "ledger.lock"))
+        slots, entries = table_size(config)
+        table = MachineTable.create(
+            config.server.workers,
+            str(Path(tmp) / "ledger.lock"),
+            slots=slots,
+            log_entries=entries,
+        )
         try:
             supervisor = Supervisor(config, argv, table, command)
             async with trio.open_nursery() as nursery:
