@@ -304,6 +304,7 @@ def _idle_check(
 ) -> dict[str, Any]:
     prefill, decode = sims
     flags = _router_flags("ours", "kv_aware", prefill, decode) + _sources(client, prefill)
+    flags.append("--admin-from-loopback")  # /debug/kv-index
     router = start_router(procs, "idle-kv", "ours", flags)
     try:
         for i in range(50):

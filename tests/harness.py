@@ -178,6 +178,7 @@ async def call(
     headers: dict[str, str] | None = None,
     raw: bytes | None = None,
     exchange: Exchange | None = None,
+    client: tuple[str, int] = ("127.0.0.1", 50000),
 ) -> Exchange:
     """Run one request through the app.
 
@@ -195,6 +196,7 @@ async def call(
         "path": unquote(path),
         "raw_path": path.encode(),
         "headers": [(k.lower().encode(), v.encode()) for k, v in hdrs.items()],
+        "client": client,
     }
     body_sent = False
 

@@ -176,6 +176,7 @@ SAMPLES = {
     "URL=ENDPOINT[,ENDPOINT...]": "http://sample:9=tcp://sample:5557",
     "REDIS_URL": "redis://sample:6379/0",
     "ID": "replica-sample",
+    "CIDR": "10.0.0.0/8",
     # a real model directory: the flag loads it
     "TOKENIZER_PATH": str(write_model_dir(Path(tempfile.mkdtemp()) / "m", ["a b"], vocab_size=260)),
 }
@@ -213,7 +214,8 @@ def test_every_flag_sets_its_field(
     path: tuple[str, ...], field: Any, option: flags.Flag | flags.Switch
 ) -> None:
     argv = sample(option, field.default)
-    for base in (REGULAR, PD):  # the flag may need PD mode, or may not go with it
+    # the flag may need PD mode, or may not go with it, or need upstreams given as addresses
+    for base in (REGULAR, PD, ["--worker-urls", "http://10.0.0.1:1"]):
         try:
             config = parse_config([*base, *argv])
             break
@@ -273,6 +275,34 @@ def test_normalize_url_refuses_https_clearly() -> None:
     with pytest.raises(ValueError, match="must start with http://"):
         normalize_url("ftp://a:1")
     assert normalize_url("http://a:1/") == "http://a:1"
+
+
+@pytest.mark.parametrize("host", ["127.1", "0x7f.0.0.1", "2130706433", "0177.0.0.1", "1.2.3.04"])
+def test_numeric_hosts_in_forms_resolvers_read_differently_are_refused(host: str) -> None:
+    with pytest.raises(ValueError, match="write it as four decimal numbers"):
+        normalize_url(f"http://{host}:8000")
+    assert normalize_url("http://10.1.2.3:8000") == "http://10.1.2.3:8000"
+    assert normalize_url("http://engine-0.pd.svc:8000") == "http://engine-0.pd.svc:8000"
+
+
+def test_command_line_servers_must_be_inside_the_allowed_networks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    allowed = ["--allowed-upstream-networks", "10.0.0.0/8", "fd00::/8"]
+    config = parse_config(["--worker-urls", "http://10.1.2.3:8000", *allowed])
+    assert config.upstream_policy().allowed[0].prefixlen == 8
+    for url, why in [
+        ("http://127.0.0.1:8000", "outside --allowed-upstream-networks"),
+        ("http://engine:8000", "must be an IP address"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            parse_config(["--worker-urls", url, *allowed])
+        assert info.value.code == 2 and why in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_config(
+            ["--worker-urls", "http://10.1.2.3:8000", "--allowed-upstream-networks", "10.0.0.0/33"]
+        )
+    assert "--allowed-upstream-networks" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("option", REFUSED, ids=[option.spelling for option in REFUSED])

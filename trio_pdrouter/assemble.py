@@ -151,6 +151,7 @@ def build_app(
         breakers=breakers,
         machine=machine,
         max_runtime=config.max_runtime_servers,
+        policy=config.upstream_policy(),
     )
     for role, urls in config.servers().items():
         for url in urls:

@@ -43,6 +43,7 @@ class Endpoint:
 
 #: A host name (RFC 1123 labels, with the underscores container names use) or an IPv4 address;
 #: IPv6 literals are checked by ipaddress.
+_NUMERIC_LABEL = re.compile(r"0x[0-9a-f]*|[0-9]+")
 _HOST_NAME = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)(\.(?!-)[a-z0-9_-]{1,63}(?<!-))*\.?")
 
 
@@ -88,6 +89,16 @@ def normalize_url(url: str) -> str:
             raise ValueError(f"{url!r}: {host!r} is not a valid IPv6 address") from None
     elif not _HOST_NAME.fullmatch(host):
         raise ValueError(f"{url!r}: {host!r} is not a valid host name")
+    elif _NUMERIC_LABEL.fullmatch(host.rstrip(".").rsplit(".", 1)[-1]):
+        # A name ending in a number is an IPv4 address to resolvers, which read 127.1,
+        # 0x7f.1, 2130706433 and 0177.0.0.1 alike: only the a.b.c.d form is taken.
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ValueError(
+                f"{url!r}: {host!r} is a numeric address in a form resolvers read differently;"
+                " write it as four decimal numbers (a.b.c.d)"
+            ) from None
     return f"http://{host}:{port}{parts.path.rstrip('/')}"
 
 
@@ -101,3 +112,69 @@ def expand(urls: Iterable[str], role: Role, dp_size: int) -> tuple[Endpoint, ...
         else:
             out.append(Endpoint(url, role))
     return tuple(out)
+
+
+#: Addresses no inference engine has, refused for servers that arrive at run time: link-local
+#: (where clouds serve instance metadata, 169.254.169.254), unspecified, broadcast, multicast.
+_NEVER_AN_ENGINE = tuple(
+    ipaddress.ip_network(net)
+    for net in (
+        "169.254.0.0/16",
+        "fe80::/10",
+        "0.0.0.0/32",
+        "::/128",
+        "255.255.255.255/32",
+        "224.0.0.0/4",
+        "ff00::/8",
+    )
+)
+
+
+def host_address(url: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address a normalized URL names (an IPv4 address carried in IPv6 as itself);
+    None for a host name."""
+    host = urlsplit(url).hostname or ""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+@attrs.frozen
+class UpstreamPolicy:
+    """Which upstream addresses may arrive at run time (``POST /workers``, discovered pods).
+
+    A host that is an address no engine has (:data:`_NEVER_AN_ENGINE`) is refused; with
+    ``allowed`` networks (``--allowed-upstream-networks``) the host must be an address inside
+    one of them, and a name is refused (it could resolve anywhere). The command line's servers
+    are the operator's own: only the allow-list applies to them (:meth:`check_configured`).
+    """
+
+    allowed: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+
+    def check(self, url: str) -> None:
+        """Raise ``ValueError`` naming the rule if ``url`` (normalized) may not be added."""
+        address = host_address(url)
+        if address is not None and any(address in net for net in _NEVER_AN_ENGINE):
+            raise ValueError(
+                f"{url}: {address} is a link-local, unspecified, broadcast or multicast address,"
+                " where no engine listens (169.254.169.254 is a cloud's metadata service)"
+            )
+        self.check_configured(url)
+
+    def check_configured(self, url: str) -> None:
+        """Raise ``ValueError`` if ``url`` is outside the allow-list (when there is one)."""
+        if not self.allowed:
+            return
+        address = host_address(url)
+        if address is None:
+            raise ValueError(
+                f"{url}: with --allowed-upstream-networks an upstream must be an IP address"
+                " (a name could resolve outside them)"
+            )
+        if not any(address in net for net in self.allowed):
+            nets = ", ".join(str(net) for net in self.allowed)
+            raise ValueError(f"{url}: {address} is outside --allowed-upstream-networks ({nets})")

@@ -31,7 +31,7 @@ async def ok_handler(request: httpx.Request) -> httpx.Response:
 async def test_added_worker_takes_traffic_once_its_first_probe_passes(
     background: trio.Nursery,
 ) -> None:
-    app, upstream = make_app(pd_config(dp_size=2), ok_handler, background)
+    app, upstream = make_app(pd_config(admin_from_loopback=True, dp_size=2), ok_handler, background)
     ex = await call(app, "POST", "/workers", {"url": "http://decode2:9000/", "role": "decode"})
     assert ex.status == 201
     assert ex.json() == {
@@ -61,7 +61,7 @@ async def test_added_worker_takes_traffic_once_its_first_probe_passes(
 
 
 async def test_bad_worker_requests_are_refused(background: trio.Nursery) -> None:
-    app, _ = make_app(pd_config(), ok_handler, background)
+    app, _ = make_app(pd_config(admin_from_loopback=True), ok_handler, background)
     cases = [
         ({"url": "http://decode:8200", "role": "decode"}, 409),
         ({"url": "ftp://x:1", "role": "decode"}, 400),
@@ -97,7 +97,7 @@ async def test_bad_worker_requests_are_refused(background: trio.Nursery) -> None
 async def test_https_workers_are_refused_with_the_command_lines_message(
     background: trio.Nursery,
 ) -> None:
-    app, _ = make_app(pd_config(), ok_handler, background)
+    app, _ = make_app(pd_config(admin_from_loopback=True), ok_handler, background)
     ex = await call(app, "POST", "/workers", {"url": "https://x:1", "role": "decode"})
     assert ex.status == 400
     assert "https upstreams are not supported yet" in ex.json()["error"]["message"]
@@ -119,7 +119,11 @@ async def test_removal_stops_new_traffic_and_waits_for_in_flight_requests(
         return response
 
     app, upstream = make_app(
-        pd_config(decode_urls=("http://decode:8200", "http://decode2:9000"), policy="round_robin"),
+        pd_config(
+            admin_from_loopback=True,
+            decode_urls=("http://decode:8200", "http://decode2:9000"),
+            policy="round_robin",
+        ),
         handler,
         background,
     )
@@ -161,7 +165,6 @@ async def test_api_key_guards_everything_but_the_probes(background: trio.Nursery
         ("GET", "/get_loads", None),
         ("GET", "/workers", None),
         ("POST", "/v1/completions", {"prompt": "x"}),
-        ("POST", "/workers", {"url": "http://a:1", "role": "decode"}),
     ]:
         denied = await call(app, method, path, body)
         assert denied.status == 401 and denied.json()["error"]["type"] == "authentication_error"
@@ -176,8 +179,88 @@ async def test_api_key_guards_everything_but_the_probes(background: trio.Nursery
     assert all("s3cret" not in r.headers.get("authorization", "") for r in upstream.requests)
 
 
+async def test_the_routes_that_change_the_router_need_the_admin_key_not_the_clients(
+    background: trio.Nursery,
+) -> None:
+    app, upstream = make_app(
+        pd_config(api_key="client", admin_api_key="admin"), ok_handler, background
+    )
+    client, admin = {"authorization": "Bearer client"}, {"authorization": "Bearer admin"}
+    new = {"url": "http://a:1", "role": "decode"}
+    for method, path, body in [
+        ("POST", "/workers", new),
+        ("DELETE", "/workers/http://decode:8200", None),
+        ("GET", "/debug/kv-index", None),
+    ]:
+        denied = await call(app, method, path, body, headers=client)
+        assert denied.status == 401, (method, path)
+        assert denied.headers["www-authenticate"] == "Bearer"
+        assert "admin API key" in denied.json()["error"]["message"]
+    assert [ep.url for ep in app.fleet.endpoints()] == ["http://prefill:8100", "http://decode:8200"]
+    assert (await call(app, "GET", "/workers", headers=client)).status == 200  # reading stays
+    assert (await call(app, "GET", "/workers", headers=admin)).status == 401  # the clients' key
+    assert (await call(app, "POST", "/workers", new, headers=admin)).status == 201
+    assert (await call(app, "GET", "/debug/kv-index", headers=admin)).status == 200
+    assert not upstream.requests
+
+
+async def test_without_an_admin_key_the_routes_that_change_the_router_are_off(
+    background: trio.Nursery,
+) -> None:
+    app, _ = make_app(pd_config(), ok_handler, background)
+    new = {"url": "http://a:1", "role": "decode"}
+    for method, path, body in [
+        ("POST", "/workers", new),
+        ("DELETE", "/workers/http://decode:8200", None),
+        ("GET", "/debug/kv-index", None),
+    ]:
+        off = await call(app, method, path, body)
+        assert off.status == 403 and "--admin-api-key" in off.json()["error"]["message"]
+    assert len(app.fleet.endpoints()) == 2
+    loopback, _ = make_app(pd_config(admin_from_loopback=True), ok_handler, background)
+    for peer, status in [("10.0.0.9", 403), ("::1", 201), ("::ffff:127.0.0.1", 409)]:
+        ex = await call(loopback, "POST", "/workers", new, client=(peer, 1))
+        assert ex.status == status, peer
+
+
+async def test_addresses_no_engine_has_and_those_outside_the_allowed_networks_are_refused(
+    background: trio.Nursery,
+) -> None:
+    app, _ = make_app(pd_config(admin_from_loopback=True), ok_handler, background)
+    for url in [
+        "http://169.254.169.254:80",  # a cloud's metadata service
+        "http://[::ffff:169.254.169.254]:80",
+        "http://[fe80::1]:8000",
+        "http://0.0.0.0:8000",
+        "http://255.255.255.255:8000",
+        "http://0x7f.1:8000",
+    ]:
+        ex = await call(app, "POST", "/workers", {"url": url, "role": "decode"})
+        assert ex.status == 400, url
+    assert len(app.fleet.endpoints()) == 2
+    fenced, _ = make_app(
+        pd_config(
+            admin_from_loopback=True,
+            allowed_upstream_networks=("10.0.0.0/8",),
+            prefill_urls=("http://10.0.0.1:8100",),
+            decode_urls=("http://10.0.0.2:8200",),
+        ),
+        ok_handler,
+        background,
+    )
+    for url, status in [
+        ("http://10.9.9.9:1", 201),
+        ("http://11.0.0.1:1", 400),
+        ("http://e:1", 400),
+    ]:
+        ex = await call(fenced, "POST", "/workers", {"url": url, "role": "decode"})
+        assert ex.status == status, (url, ex.json())
+
+
 async def test_upstream_api_key_replaces_the_clients(background: trio.Nursery) -> None:
-    app, upstream = make_app(pd_config(upstream_api_key="engine-key"), ok_handler, background)
+    app, upstream = make_app(
+        pd_config(admin_from_loopback=True, upstream_api_key="engine-key"), ok_handler, background
+    )
     await call(
         app, "POST", "/v1/completions", {"prompt": "x"}, headers={"authorization": "Bearer client"}
     )

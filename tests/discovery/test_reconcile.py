@@ -288,3 +288,12 @@ def test_a_full_fleet_skips_the_change_and_discovery_tries_again_when_there_is_r
     rec.apply(Role.DECODE, "DELETED", pod("d", "10.0.0.2", labels={"role": "d"}))
     rec.sync()
     assert {url for url, _, _ in discovered(r.fleet)} == {"http://10.0.0.3:80"}
+
+
+def test_a_pod_at_an_address_no_engine_has_is_refused() -> None:
+    r = rig()
+    rec, _, _ = reconciler(r.fleet)
+    rec.apply(Role.DECODE, "ADDED", pod("d", "169.254.169.254", labels={"role": "d"}))
+    rec.apply(Role.DECODE, "ADDED", pod("e", "10.0.0.3", labels={"role": "d"}))
+    rec.sync()
+    assert {url for url, _, _ in discovered(r.fleet)} == {"http://10.0.0.3:80"}

@@ -23,7 +23,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from trio_pdrouter.config import BreakerSettings, HealthSettings
-from trio_pdrouter.endpoints import Endpoint, Role
+from trio_pdrouter.endpoints import Endpoint, Role, UpstreamPolicy
 from trio_pdrouter.fleet import (
     Breakers,
     DuplicateServer,
@@ -98,6 +98,7 @@ class Worker:
             breakers=breakers,
             machine=MachineServers(self.table, self.drains, 0.0),  # type: ignore[arg-type]
             max_runtime=CAP,
+            policy=UpstreamPolicy(),
         )
         for role, url in STATIC:
             self.fleet.add_at_start(url, role)

@@ -15,7 +15,7 @@ from tests.harness import pd_config
 from trio_pdrouter.app import RouterApp
 from trio_pdrouter.assemble import build_app
 from trio_pdrouter.config import AdmissionSettings, BreakerSettings, HealthSettings
-from trio_pdrouter.endpoints import Role
+from trio_pdrouter.endpoints import Role, UpstreamPolicy
 from trio_pdrouter.fleet import Breakers, DuplicateServer, Fleet, FleetFull, HealthBoard
 from trio_pdrouter.http import LegClient
 from trio_pdrouter.ledger import LoadLedger
@@ -63,6 +63,7 @@ def rig(dp_size: int = 1, max_runtime: int = 64) -> Rig:
         breakers=breakers,
         machine=None,
         max_runtime=max_runtime,
+        policy=UpstreamPolicy(),
     )
     return Rig(fleet, routing, ledger, health, breakers)
 

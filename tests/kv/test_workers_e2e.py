@@ -89,6 +89,7 @@ async def test_each_worker_follows_a_bound_and_a_connected_source_a_replacement_
             "kv_aware",
             "--worker-sockets",
             "reuseport",
+            "--admin-from-loopback",  # /debug/kv-index
             "--kv-event-source",
             f"{connecting.url}=bind:tcp://127.0.0.1:{port}",
             "--kv-event-replay-source",

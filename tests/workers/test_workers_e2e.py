@@ -34,7 +34,15 @@ async def start_sims(nursery: trio.Nursery, *, dp: int = 1, itl: float = 0.01) -
 
 def pd_args(sims: list[SimServer], *extra: str) -> list[str]:
     prefill, decode = sims
-    return ["--vllm-pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url, *extra]
+    return [
+        "--vllm-pd-disaggregation",
+        "--prefill",
+        prefill.url,
+        "--decode",
+        decode.url,
+        "--admin-from-loopback",
+        *extra,
+    ]
 
 
 def engine_load(sim: SimServer) -> int:
@@ -328,4 +336,30 @@ async def test_two_thousand_servers_added_and_removed_leave_every_worker_serving
         assert sup.pids == pids, "no worker died"
         assert b"Traceback" not in sup.log
         assert await stop_supervisor(sup) == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_during_the_drain_a_new_connection_is_refused_as_by_one_process() -> None:
+    async with trio.open_nursery() as nursery:
+        sims = await start_sims(nursery, itl=0.05)
+        sup = await start_supervisor(nursery, 2, pd_args(sims, "--policy", "round_robin"))
+        await sup.wait_for(lambda: len(sup.pids) == 2, 30)
+        release = trio.Event()
+        await hold_streams(nursery, sup.url, 4, 2000, release)  # the workers drain these
+        host, port = sup.url.removeprefix("http://").rsplit(":", 1)
+        sup.proc.send_signal(signal.SIGTERM)
+
+        async def refused() -> bool:
+            try:
+                stream = await trio.open_tcp_stream(host, int(port))
+            except OSError:
+                return True
+            await stream.aclose()
+            return False
+
+        await eventually(refused)
+        assert sup.proc.returncode is None, "still draining its streams"
+        release.set()
+        with trio.fail_after(30):
+            assert await sup.proc.wait() == 0
         nursery.cancel_scope.cancel()

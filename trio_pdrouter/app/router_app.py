@@ -1,13 +1,20 @@
 """The ASGI application: every request's first checks, then its route.
 
 Before a route is looked up: lifespan, CORS preflight, the HTTP/2 preface, the head's size, the
-API key, request smuggling. Then the inference routes (:mod:`.inference`) or the admin routes
+keys, request smuggling. Then the inference routes (:mod:`.inference`) or the admin routes
 (:mod:`.admin`).
+
+Two keys, two audiences. ``--api-key`` is the clients': every route but the open ones
+(:data:`OPEN_ROUTES`) needs it. The routes that change the router — ``POST /workers``, ``DELETE
+/workers/...`` — and ``/debug/*`` need ``--admin-api-key``'s key instead (the clients' key never
+opens them); without an admin key they are off (403), unless ``--admin-from-loopback`` lets a peer
+on 127.0.0.0/8 or ::1 in (the TCP peer: a proxy on the same host counts as loopback).
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 
 from ..config import RouterConfig
 from ..fleet import EngineTruth, Fleet, HealthBoard, Verdicts
@@ -110,7 +117,12 @@ class RouterApp:
         key = self._config.api_key
         # Before the route is looked up: without the key, every route answers 401 alike, so
         # none can be told apart (enumerated) by its 404 or 405.
-        if key is not None and path not in OPEN_ROUTES and not _authorized(scope, key):
+        if _changes_the_router(scope["method"], path):
+            refusal = self._admin_refusal(scope)
+            if refusal is not None:
+                await send_reply(send, refusal)
+                return
+        elif key is not None and path not in OPEN_ROUTES and not _authorized(scope, key):
             await send_reply(send, Reply.error(errors.unauthorized(), CHALLENGE))
             return
         if _smuggling(scope):
@@ -135,6 +147,22 @@ class RouterApp:
             return
         await handler(scope, receive, send)
 
+    def _admin_refusal(self, scope: Scope) -> Reply | None:
+        """None if ``scope`` may use an admin route (module doc), else the answer."""
+        key, config = self._config.admin_api_key, self._config
+        if key is not None and _authorized(scope, key):
+            return None
+        if config.admin_from_loopback and _from_loopback(scope):
+            return None
+        if key is not None:
+            return Reply.error(errors.unauthorized("missing or invalid admin API key"), CHALLENGE)
+        return Reply.error(
+            errors.forbidden(
+                "the routes that change the router are off: start it with --admin-api-key"
+                " (or --admin-from-loopback)"
+            )
+        )
+
     def account_unfinished(self) -> None:
         """Log and count every request still in flight, as it stands (the process is about
         to exit without them finishing)."""
@@ -148,6 +176,26 @@ def _head_size(scope: Scope) -> int:
     for name, value in scope["headers"]:
         size += len(name) + len(value) + 4
     return size
+
+
+def _changes_the_router(method: str, path: str) -> bool:
+    """An admin route (module doc): adds or removes servers, or shows the router's insides."""
+    if path.startswith("/debug/"):
+        return True
+    return method in ("POST", "DELETE") and (path == "/workers" or path.startswith(WORKER_PREFIX))
+
+
+def _from_loopback(scope: Scope) -> bool:
+    client = scope.get("client")
+    if not client:
+        return False
+    try:
+        address = ipaddress.ip_address(client[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
 
 
 def _authorized(scope: Scope, api_key: str) -> bool:

@@ -9,11 +9,12 @@ and raises :class:`ConfigError` with a message fit for users.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 from typing import Any
 
 import attrs
 
-from ..endpoints import Endpoint, Role, expand, normalize_url
+from ..endpoints import Endpoint, Role, UpstreamPolicy, expand, normalize_url
 from .cluster import ClusterSettings
 from .discovery import DiscoverySettings
 from .flags import ConfigError, Flag, Group, must, positive, section, setting
@@ -49,6 +50,14 @@ def _upstream_urls(instance: Any, field: attrs.Attribute[Any], urls: tuple[str, 
         if normalized in seen:
             raise ConfigError(f"{normalized} is given twice for the same role")
         seen.add(normalized)
+
+
+def _networks(instance: Any, field: attrs.Attribute[Any], networks: tuple[str, ...]) -> None:
+    for net in networks:
+        try:
+            ipaddress.ip_network(net, strict=False)
+        except ValueError as exc:
+            raise ConfigError(f"--allowed-upstream-networks: {exc}") from None
 
 
 def _prefill_urls(groups: list[list[str]]) -> tuple[str, ...]:
@@ -302,6 +311,40 @@ class RouterConfig:
             " /liveness and /readiness",
         ),
     )
+    admin_api_key: str | None = setting(
+        None,
+        Flag(
+            "--admin-api-key",
+            Group.SECURITY,
+            "require 'Authorization: Bearer KEY' (this key, not --api-key's) on the routes that"
+            " change the router (POST /workers, DELETE /workers/...) and on /debug/*; without"
+            " it those routes answer 403, unless --admin-from-loopback",
+        ),
+    )
+    admin_from_loopback: bool = setting(
+        False,
+        Flag(
+            "--admin-from-loopback",
+            Group.SECURITY,
+            "allow the admin routes from 127.0.0.0/8 and ::1 without --admin-api-key's key",
+            action="store_true",
+        ),
+    )
+    allowed_upstream_networks: tuple[str, ...] = setting(
+        (),
+        Flag(
+            "--allowed-upstream-networks",
+            Group.SECURITY,
+            "networks (CIDR) servers added at run time must be in (POST /workers, discovered"
+            " pods; names are then refused); command-line servers must be in them too. Link-local"
+            " (cloud metadata), unspecified, broadcast and multicast addresses are refused at run"
+            " time whatever this says",
+            nargs="*",
+            metavar="CIDR",
+            parse=tuple,
+        ),
+        check=_networks,
+    )
     cors_allowed_origins: tuple[str, ...] = setting(
         (),
         Flag(
@@ -379,7 +422,15 @@ class RouterConfig:
 
     def __attrs_post_init__(self) -> None:
         """The checks that involve several fields: which upstreams the mode needs (a role's
-        servers come from the command line, or from discovery with that role's selector)."""
+        servers come from the command line, or from discovery with that role's selector), and
+        the command line's servers inside --allowed-upstream-networks."""
+        policy = self.upstream_policy()
+        for urls in (self.prefill_urls, self.decode_urls, self.worker_urls):
+            for url in urls:
+                try:
+                    policy.check_configured(normalize_url(url))
+                except ValueError as exc:
+                    raise ConfigError(str(exc)) from None
         discovered = self.discovery.selectors(self.pd)
         if self.pd:
             if not (self.prefill_urls or Role.PREFILL in discovered) or not (
@@ -398,6 +449,11 @@ class RouterConfig:
                 "no upstream: give --worker-urls URL..., or --vllm-pd-disaggregation with"
                 " --prefill URL and --decode URL, or --service-discovery"
             )
+
+    def upstream_policy(self) -> UpstreamPolicy:
+        """Which upstream addresses may be added (``--allowed-upstream-networks``)."""
+        nets = self.allowed_upstream_networks
+        return UpstreamPolicy(tuple(ipaddress.ip_network(net, strict=False) for net in nets))
 
     def stage_policy(self, role: Role) -> str:
         if role is Role.PREFILL and self.prefill_policy:

@@ -19,7 +19,8 @@ server from :class:`Fleet` and from nowhere else:
   role of a URL or, by default, all of them. Servers added at run time (``api`` or
   ``discovery``) are capped at ``max_runtime`` per process (``--max-runtime-servers``): past it
   an add raises :class:`FleetFull`, as it does when the machine table has no room; nothing
-  changes then.
+  changes then. A runtime server's address must also pass the
+  :class:`~trio_pdrouter.endpoints.UpstreamPolicy` (``ValueError`` otherwise).
 * Every server has an :class:`Origin`: ``static`` (the command line), ``api``
   (``POST /workers``) or ``discovery`` (a Kubernetes pod, named with its UID); ``/workers``
   shows it and discovery removes only servers whose origin is ``discovery``.
@@ -44,7 +45,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from ..endpoints import Endpoint, Role, expand
+from ..endpoints import Endpoint, Role, UpstreamPolicy, expand
 from ..ledger import LoadLedger, slot_key
 from ..machine import Changes, TableFull
 from ..routing import Routing
@@ -172,6 +173,7 @@ class Fleet:
         breakers: Breakers,
         machine: MachineServers | None,
         max_runtime: int,
+        policy: UpstreamPolicy,
     ) -> None:
         self._dp_size = dp_size
         self._routing = routing
@@ -180,6 +182,7 @@ class Fleet:
         self._breakers = breakers
         self._machine = machine
         self._max_runtime = max_runtime
+        self._policy = policy
         self._log = None if machine is None else machine.log
         self._applied = 0
         self._origins: dict[str, Origin] = {}
@@ -218,15 +221,18 @@ class Fleet:
         at once, else after its first successful health probe.
 
         Raises :class:`DuplicateServer` if the URL already serves ``role``, ``ValueError`` for a
-        bad URL or a role this mode does not have, :class:`FleetFull` when there is no room.
+        bad URL, an address the upstream policy refuses or a role this mode does not have,
+        :class:`FleetFull` when there is no room.
         """
         if self._log is None:
             added = self._planned(url, role)
+            self._policy.check(added[0].url)
             self._check_cap(added[0])
             return self._add(added, serving, origin)
         with self._log.locked():
             self._catch_up()
             added = self._planned(url, role)
+            self._policy.check(added[0].url)
             self._check_cap(added[0])
             self._make_room(1)
             self._check_table(added)

@@ -44,6 +44,10 @@ def unauthorized(message: str = "missing or invalid API key") -> RouterError:
     return RouterError(401, message, "authentication_error")
 
 
+def forbidden(message: str) -> RouterError:
+    return RouterError(403, message, "permission_error")
+
+
 def not_found(path: str) -> RouterError:
     return RouterError(404, f"no route for {path}", "not_found_error")
 

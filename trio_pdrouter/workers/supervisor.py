@@ -141,6 +141,11 @@ class Supervisor:
         for proc in self._procs.values():
             if proc.returncode is None:
                 proc.send_signal(signal.SIGTERM)
+        # The workers stop accepting as they drain; with the supervisor's copies closed too, the
+        # port is closed and a new connection is refused, as by a single process, not queued.
+        for sock in {*self._sockets, self._metrics_socket}:
+            if sock is not None:
+                sock.close()
         nursery.cancel_scope.deadline = (
             trio.current_time() + self._config.server.graceful_timeout + KILL_AFTER
         )
