@@ -46,11 +46,13 @@ async def test_writer_waits_for_data_then_sees_the_error() -> None:
     assert buffer.failure is err
 
 
-def test_overflow_past_the_limit() -> None:
-    buffer = RelayBuffer(3, BufferBudget(10_000))
-    buffer.put(b"abc")
+def test_overflow_past_the_limit_and_never_over_it() -> None:
+    budget = BufferBudget(10_000)
+    buffer = RelayBuffer(3, budget)
+    buffer.put(b"ab")
     with pytest.raises(RelayOverflow):
-        buffer.put(b"d")
+        buffer.put(b"cd")  # would be 4 bytes: refused whole
+    assert buffer.queued == 2 and budget.total == 2
 
 
 @pytest.mark.parametrize("limit", [0.5, 3.0, 600.0])

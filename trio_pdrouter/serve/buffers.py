@@ -3,8 +3,9 @@
 Rules of this module:
 
 * A :class:`RelayBuffer` carries one stream's bytes from its upstream reader to its writer and
-  never blocks the reader. Past its own limit (``--max-buffered-bytes``) the reader's next
-  ``put`` raises :class:`RelayOverflow`: the client is too far behind, the stream ends.
+  never blocks the reader. A ``put`` that would take it past its own limit
+  (``--max-buffered-bytes``) raises :class:`RelayOverflow` and queues nothing: the client is too
+  far behind, the stream ends.
 * A :class:`BufferBudget` counts the bytes of every live buffer of the process, from the ``put``
   that brought them until the send that took them has finished (the next ``take``), or the
   buffer is discarded. Past its limit (``--max-total-buffered-bytes``), the buffers with the
@@ -97,12 +98,12 @@ class RelayBuffer:
         """Append bytes (never blocks). Raises :class:`RelayOverflow` past either limit."""
         if self._evicted:
             raise self._furthest_behind()
+        if self.queued + len(data) > self._limit:  # refused whole: never over the limit
+            raise RelayOverflow(f"client is more than {self._limit} bytes behind")
         self._chunks.append(data)
         self.queued += len(data)
         self._budget.total += len(data)
         self._wakeup.set()
-        if self.queued > self._limit:
-            raise RelayOverflow(f"client is more than {self._limit} bytes behind")
         if self._budget.total > self._budget.limit:
             self._budget.make_room()
             if self._evicted:
