@@ -181,8 +181,9 @@ class AdminRoutes:
             await send_reply(send, Reply.error(error))
             return
         if removal is None:
-            what = f"worker {url}" if role is None else f"{role.value} worker {url}"
-            await send_reply(send, Reply.error(errors.not_found(what)))
+            what = "server" if role is None else f"{role.value} server"
+            error = errors.RouterError(404, f"no {what} at {url}", "not_found_error")
+            await send_reply(send, Reply.error(error))
             return
         in_flight = removal.in_flight
         log.info("worker_removed url=%s in_flight=%d", url, in_flight)
