@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 DEMO_SECONDS ?= 60
 BENCH_PROFILE ?= quick
 
-.PHONY: venv install lint test demo bench bench-full bench-typecheck bench-vllm-router profile clean
+.PHONY: venv install system-tools lint test demo dist wheelhouse image base-image image-offline bench \
+	bench-full bench-typecheck bench-vllm-router profile clean
 
 venv: $(BIN)/python
 
@@ -35,16 +36,67 @@ bench-vllm-router:
 
 install: $(STAMP)
 
+# What the image test (tests/packaging/test_image.py) needs from Debian, installed only when missing
+# (as root, or through sudo).
+SYSTEM_TOOLS := podman mmdebstrap
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+system-tools:
+	@missing=""; for tool in $(SYSTEM_TOOLS); do \
+	  command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing$$missing"; \
+	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $$missing; \
+	fi
+
 lint: install
 	$(BIN)/ruff check trio_pdrouter trio_pdrouter_sim demo tests benchmarks
 	$(BIN)/ruff format --check trio_pdrouter trio_pdrouter_sim demo tests benchmarks
 	$(BIN)/mypy --strict trio_pdrouter trio_pdrouter_sim demo
 
-test: lint
+test: lint system-tools
 	$(BIN)/pytest
 
 demo: install
 	$(BIN)/python -m demo --seconds $(DEMO_SECONDS)
+
+# The wheel and the sdist, in dist/ (the simulator is in the same wheel: trio-pdrouter-sim).
+dist: install
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+
+# Every wheel the image needs, built on this machine: the router's, its dependencies', and its
+# build requirements' (for the Containerfile's builder stage), for an image built offline.
+wheelhouse: install
+	rm -rf wheelhouse
+	$(BIN)/python -m pip wheel --quiet --wheel-dir wheelhouse .
+	$(BIN)/python -m pip download --quiet --no-deps --dest wheelhouse \
+	  $$($(BIN)/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"])')
+
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' trio_pdrouter/__init__.py)
+IMAGE ?= trio-pdrouter:$(VERSION)
+IMAGE_BASE ?= docker.io/library/python:3.11-slim
+IMAGE_PIP_OPTIONS ?=
+
+# --format docker keeps the HEALTHCHECK; --isolation=chroot needs no container runtime.
+image: system-tools
+	podman build --isolation=chroot --format docker --layers=false \
+	  --build-arg BASE=$(IMAGE_BASE) --build-arg PIP_OPTIONS="$(IMAGE_PIP_OPTIONS)" \
+	  --tag $(IMAGE) --file Containerfile .
+
+# Without a container registry: a base made from Debian's packages (kept in podman's store once
+# made) and the wheels of `make wheelhouse`.
+DEBIAN_BASE ?= localhost/trio-pdrouter-base:bookworm
+DEBIAN_PACKAGES := python3,python3-venv,ca-certificates
+
+base-image: system-tools
+	podman image exists $(DEBIAN_BASE) || { \
+	  mkdir -p build && \
+	  mmdebstrap --variant=minbase --include=$(DEBIAN_PACKAGES) bookworm build/debian-base.tar && \
+	  podman import build/debian-base.tar $(DEBIAN_BASE) && rm build/debian-base.tar; }
+
+image-offline: base-image wheelhouse
+	$(MAKE) image IMAGE_BASE=$(DEBIAN_BASE) IMAGE_PIP_OPTIONS="--no-index --find-links=/src/wheelhouse"
 
 # benchmarks/ imports the bench extras, so it is type-checked here rather than in `make test`.
 bench-typecheck: $(VENV)/.bench-installed
@@ -66,4 +118,4 @@ profile: $(VENV)/.bench-installed
 	$(BIN)/python -m benchmarks.profile --target $(PROFILE_TARGET) --mode $(PROFILE_MODE)
 
 clean:
-	rm -rf $(VENV) $(VLLM_ROUTER_VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_ROUTER_VENV) .mypy_cache .pytest_cache .ruff_cache dist wheelhouse
