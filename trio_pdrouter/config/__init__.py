@@ -25,6 +25,7 @@ from .listening import ServerSettings, Timeouts
 from .policies import LOAD_METRICS, POLICY_NAMES, PolicySettings
 from .resilience import AdmissionSettings, BreakerSettings, HealthSettings, RetrySettings
 from .router import RouterConfig
+from .sizes import byte_size, show_size
 
 __all__ = [
     "LOAD_METRICS",
@@ -43,5 +44,7 @@ __all__ = [
     "ServerSettings",
     "Timeouts",
     "build_parser",
+    "byte_size",
     "parse_config",
+    "show_size",
 ]

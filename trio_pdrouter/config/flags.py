@@ -49,17 +49,23 @@ class ConfigError(ValueError):
 
 
 class Group(enum.Enum):
-    """The sections of ``--help``, in the order they are shown."""
+    """The sections of ``--help``, in the order they are shown (a dozen flags or fewer each)."""
 
     LISTENING = "listening"
     UPSTREAMS = "upstreams"
     ROUTING_POLICY = "routing policy"
+    KV_AWARE = "kv_aware: routing on vLLM's KV events"
     REQUESTS = "requests"
-    RESILIENCE = "resilience"
+    TIMEOUTS = "timeouts"
+    RETRIES = "retries"
+    CIRCUIT_BREAKERS = "circuit breakers"
+    HEALTH = "health checks"
+    ADMISSION = "admission"
     CLUSTER = "cluster"
     DISCOVERY = "kubernetes service discovery"
     SECURITY = "security"
     OBSERVABILITY = "observability"
+    #: Left out of ``--help`` (the documentation lists them): they parse, then refuse to start.
     REFUSED = "vllm-router flags not implemented (they parse, then refuse to start with a reason)"
 
 
@@ -77,6 +83,8 @@ class Flag:
     action: str | builtins.type[argparse.Action] | None = None
     #: Turns what argparse parsed into the field's value; may raise :class:`ConfigError`.
     parse: Callable[[Any], Any] | None = None
+    #: How ``--help`` shows the default, as text ``type`` parses back (sizes: ``512MiB``).
+    show: Callable[[Any], str] | None = None
     #: Parsed as usual but left out of ``--help`` (test-only flags).
     hidden: bool = False
     #: Not implemented: why, and the alternative. Given (other than its default), the config
@@ -86,11 +94,16 @@ class Flag:
     refused_choices: Mapping[str, str] = attrs.field(factory=dict)
 
     def arguments(self, default: object) -> dict[str, Any]:
-        """``add_argument``'s keywords; ``default`` is the field's (a tuple is shown as a list)."""
-        choices = self.choices
-        if choices is not None and self.refused_choices:
-            choices = (*choices, *self.refused_choices)
-        text = self.help if self.refused is None else f"{self.help} [refused: {self.refused}]"
+        """``add_argument``'s keywords; ``default`` is the field's (a tuple is shown as a list).
+
+        A refused flag is left out of ``--help``, and a refused value out of the choices shown;
+        both still parse, so that the config build can refuse them with the reason.
+        """
+        choices: Offered | tuple[str, ...] | None = self.choices
+        if self.choices is not None and self.refused_choices:
+            choices = Offered(self.choices, tuple(self.refused_choices))
+        if self.show is not None and default is not None:
+            default = self.show(default)
         keywords = {
             "type": self.type,
             "choices": choices,
@@ -100,7 +113,7 @@ class Flag:
         }
         return {
             "default": list(default) if isinstance(default, tuple) else default,
-            "help": argparse.SUPPRESS if self.hidden else text,
+            "help": argparse.SUPPRESS if self.hidden or self.refused else self.help,
             **{name: value for name, value in keywords.items() if value is not None},
         }
 
@@ -117,6 +130,24 @@ class Flag:
         if isinstance(raw, str) and raw in self.refused_choices:
             return f"{self.spelling} {raw}", self.refused_choices[raw]
         return None
+
+
+class Offered:
+    """A flag's ``choices`` for argparse: it shows (iterates over) the values offered, and
+    accepts (contains) those and the refused ones, which the config build then refuses."""
+
+    def __init__(self, offered: tuple[str, ...], refused: tuple[str, ...]) -> None:
+        self._offered = offered
+        self._accepted = frozenset((*offered, *refused))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._offered)
+
+    def __len__(self) -> int:
+        return len(self._offered)
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._accepted
 
 
 @attrs.frozen
