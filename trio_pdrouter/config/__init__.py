@@ -17,7 +17,7 @@ by the command line.
 from __future__ import annotations
 
 from .cluster import ClusterSettings
-from .command_line import build_parser, parse_config
+from .command_line import build_parser, parse_config, shown_default
 from .discovery import DiscoverySettings, Selector
 from .flags import ConfigError
 from .kv_events import KvEventSettings
@@ -47,4 +47,5 @@ __all__ = [
     "byte_size",
     "parse_config",
     "show_size",
+    "shown_default",
 ]

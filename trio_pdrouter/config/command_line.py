@@ -16,7 +16,7 @@ from . import flags
 from .flags import ConfigError
 from .router import RouterConfig
 
-__all__ = ["build_parser", "parse_config"]
+__all__ = ["build_parser", "parse_config", "shown_default"]
 
 USAGE = """\
 %(prog)s --vllm-pd-disaggregation --prefill URL --decode URL [options]   (PD mode)
@@ -36,22 +36,28 @@ Every flag, with the reasoning behind its default: docs/reference/configuration.
 """
 
 
+def shown_default(action: argparse.Action) -> str | None:
+    """A flag's default as ``--help`` and the reference show it, or None when it tells a user
+    nothing: "not given" (None, an empty list, an unset switch), or a default that depends on
+    other flags (the help says how). A list shows as the words to type."""
+    text = action.help or ""
+    default = action.default
+    unset = default is None or default is False or default is argparse.SUPPRESS
+    if unset or default in ([], ()) or "Default:" in text or "(default:" in text:
+        return None
+    if isinstance(default, list | tuple):
+        return " ".join(str(value) for value in default)
+    return str(default)
+
+
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Each flag's default after its help when it tells a user something: not when it is
-    "not given" (None, an empty list, an unset switch), and not where it depends on other flags
-    (the help says how). A list shows as the words to type (``x-request-id x-trace-id``)."""
+    """Each flag's help, then its :func:`shown_default` when there is one."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        default = action.default
-        unset = default is None or default is False or default is argparse.SUPPRESS
-        if unset or default in ([], ()) or "Default:" in text or "(default:" in text:
-            return text
-        if isinstance(default, list | tuple):
-            shown = " ".join(str(value) for value in default)
-        else:
-            shown = str(default)
-        return f"{text} (default: {shown.replace('%', '%%')})"
+        shown = shown_default(action)
+        if shown is None or action.help is argparse.SUPPRESS:
+            return action.help
+        return f"{action.help} (default: {shown.replace('%', '%%')})"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,7 +4,8 @@ The rules:
 
 * A flag is declared with :func:`setting` on the attrs field it sets: its spelling, its
   ``--help`` group and text, and argparse's type, choices, nargs, metavar and action, as a
-  :class:`Flag`. The field's default is the flag's default; nothing else repeats it.
+  :class:`Flag`. The field's default is the flag's default; nothing else repeats it (``show=``
+  only says how ``--help`` writes it: a size as ``512MiB``).
 * A settings class inside another is a :func:`section`. :func:`add_flags` builds the parser and
   :func:`build` turns the parsed arguments into the config by the same walk: the root class and
   its sections, field by field, in declaration order (so ``--help`` lists a group's flags in the
@@ -18,7 +19,8 @@ The rules:
 * A vllm-router flag that trio-pdrouter does not implement is still declared, on the field it
   will set, with ``refused=`` saying why and what to use instead (and a value of a ``choices``
   flag likewise with ``refused_choices=``). It parses, so a vllm-router launch command reaches
-  :func:`build`, which then refuses every such flag given, all in one :class:`ConfigError`.
+  :func:`build`, which then refuses every such flag given, all in one :class:`ConfigError`;
+  ``--help`` leaves such flags and values out (the configuration reference lists them).
   Giving a refused flag its default value is not refusing anything: it is accepted. Whoever
   implements the feature removes ``refused=`` and uses the field.
 """
