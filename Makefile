@@ -6,8 +6,8 @@ STAMP := $(VENV)/.installed
 DEMO_SECONDS ?= 60
 BENCH_PROFILE ?= quick
 
-.PHONY: venv install system-tools lint test demo dist wheelhouse image base-image image-offline bench \
-	bench-full bench-typecheck bench-vllm-router profile clean
+.PHONY: venv install system-tools lint docs docs-reference test demo dist wheelhouse image \
+	base-image image-offline bench bench-full bench-typecheck bench-vllm-router profile clean
 
 venv: $(BIN)/python
 
@@ -16,11 +16,11 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,docs]'
 	touch $(STAMP)
 
 $(VENV)/.bench-installed: $(STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+	$(BIN)/python -m pip install --quiet -e '.[test,docs,bench]'
 	touch $@
 
 # vllm-router, for the side-by-side rows, in its own venv so its dependencies leave ours alone.
@@ -50,11 +50,22 @@ system-tools:
 	fi
 
 lint: install
-	$(BIN)/ruff check trio_pdrouter trio_pdrouter_sim demo tests benchmarks
-	$(BIN)/ruff format --check trio_pdrouter trio_pdrouter_sim demo tests benchmarks
-	$(BIN)/mypy --strict trio_pdrouter trio_pdrouter_sim demo
+	$(BIN)/ruff check trio_pdrouter trio_pdrouter_sim demo tests benchmarks reference
+	$(BIN)/ruff format --check trio_pdrouter trio_pdrouter_sim demo tests benchmarks reference
+	$(BIN)/mypy --strict trio_pdrouter trio_pdrouter_sim demo reference
 
-test: lint system-tools
+# The documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link or anchor, or a
+# page missing from the nav, fails the build (not --quiet: it would hide the warnings that strict
+# counts).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+# Regenerate the pages rendered from the code (the configuration and metrics references, the
+# benchmarks page); tests/docs/test_reference.py fails while a committed one is stale.
+docs-reference: install
+	$(BIN)/python -m reference
+
+test: lint docs system-tools
 	$(BIN)/pytest
 
 demo: install

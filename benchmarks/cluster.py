@@ -1,4 +1,4 @@
-"""The cluster view across replicas (issue 14, part B): what a sync costs, and how exact it is.
+"""The cluster view across replicas: what a sync costs, and how exact it is.
 
 1. ``exchange``: the sync script (publish own snapshot, read the peers') against a local
    redis-server, with a 16-endpoint snapshot and 3 peers: coredis (native on trio, the router's

@@ -1,4 +1,4 @@
-"""PD under prefill cache pressure: ``kv_aware`` against ``cache_aware`` and vllm-router (issue 21).
+"""PD under prefill cache pressure: ``kv_aware`` against ``cache_aware`` and vllm-router.
 
 Two prefill simulators, each computing one prompt at a time (a prefill engine is compute-bound:
 5 ms + 0.1 ms per uncached token, so a miss of ~530 tokens costs ~58 ms of engine time and a
@@ -49,7 +49,7 @@ change) with the flags in ``BENCH_KV_CHECKOUT_FLAGS``, one variant per ``;``-sep
 ``BENCH_KV_TOKENIZER=1`` runs the rounds on the tokenizer rows' simulators (a real BPE
 tokenizer, :func:`_bpe_sims`) with one more variant, ``kv_aware`` tokenizing with it (index 3).
 
-``benchmarks/report.md`` judges the issue's goals on the run: from its paired rounds where it
+``benchmarks/report.md`` judges ``kv_aware``'s goals on the run: from its paired rounds where it
 has them, else from its main rows (:mod:`.kv_goals`).
 """
 

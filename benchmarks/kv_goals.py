@@ -1,4 +1,4 @@
-"""The goals of the issue behind ``kv_aware`` (issue 21), judged on one saved run of
+"""The goals ``kv_aware`` was built to, judged on one saved run of
 :mod:`.kv_aware`.
 
 Each setup is judged on the run's paired rounds where it has them (``rounds.pairs``: the
@@ -13,10 +13,10 @@ The goals as this project reads them:
 * one router: TTFT p99 at most 1.05x ``cache_aware``'s, prefix hits at most 1 point below;
 * two replicas: hits at least ``cache_aware``'s two-replica hits + 10 points, and at most 3
   points below ``kv_aware``'s own with one router; TTFT p99 at most 0.9x ``cache_aware``'s;
-* ``--workers 2``: TTFT p99 at most 0.9x ``cache_aware --workers 2``'s (the issue compares with
-  two-replica ``cache_aware``; here the workers share ``cache_aware``'s prefix tree, so its
-  own ``--workers 2`` rows are the harder reference), hits at most 3 points below one
-  router's;
+* ``--workers 2``: TTFT p99 at most 0.9x ``cache_aware --workers 2``'s (the goal as first set
+  compared with two-replica ``cache_aware``; here the workers share ``cache_aware``'s prefix
+  tree, so its own ``--workers 2`` rows are the harder reference), hits at most 3 points below
+  one router's;
 * a router restarted in front of warm engines: over its first 100 requests, hits at least
   ``cache_aware``'s + 15 points;
 * idle: the index's block counts equal the simulators', engine by engine.

@@ -1,4 +1,4 @@
-"""How much a cache_aware decision costs in the radix tree as it fills up (issue 8, scenario 5).
+"""How much a cache_aware decision costs in the radix tree as it fills up (scenario 5).
 
 For each prompt size (200 B, 2 KB, 32 KB) a fresh :class:`RadixTree` with ``tenants`` endpoints is
 filled with prompts shaped like chat traffic: one of 64 shared "system prompts" (half the length)

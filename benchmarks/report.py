@@ -609,7 +609,7 @@ def _kv_aware(data: dict[str, Any]) -> list[str]:
               "req/s", "router CPU ms / req", "failed"]  # fmt: skip
     goals = judge(data)
     if goals:
-        out += ["**Goals** (issue 21; see benchmarks/kv_goals.py for how each is read)", ""]
+        out += ["**Goals** (see benchmarks/kv_goals.py for how each is read)", ""]
         verdicts = [
             [g["setup"], g["measure"], g["goal"], g["figure"], "met" if g["met"] else "MISSED",
              g["source"]]

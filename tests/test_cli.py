@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from trio_pdrouter.cli import build_parser, parse_config
-from trio_pdrouter.config import RouterConfig, flags
+from trio_pdrouter.config import RouterConfig, byte_size, flags, show_size
 from trio_pdrouter.endpoints import Role, normalize_url
 from trio_pdrouter_sim.tokenizer_files import write_model_dir
 
@@ -87,6 +87,48 @@ def test_help_gives_each_default_except_not_given() -> None:
     assert "--balance-abs-threshold" in text and "(default: 64)" in text
     assert "see --balance-abs-threshold (default: 1.5)" in text
     assert "(default: None)" not in text
+
+
+def test_help_leaves_out_defaults_that_say_nothing() -> None:
+    text = " ".join(build_parser().format_help().split())
+    for noise in ("(default: [])", "(default: False)", "(default: ())", "(default: None)"):
+        assert noise not in text
+    assert "(default: x-request-id x-correlation-id x-trace-id request-id)" in text
+
+
+def test_help_shows_sizes_in_units_and_they_parse_back() -> None:
+    text = " ".join(build_parser().format_help().split())
+    assert "largest request body accepted (larger: 413) (default: 512MiB)" in text
+    assert "536870912" not in text
+    config = parse_config([*REGULAR, "--max-payload-size", "1GiB", "--max-buffered-bytes", "64KiB"])
+    assert config.max_payload_size == 1 << 30
+    assert config.max_buffered_bytes == 64 * 1024
+    assert parse_config(REGULAR).max_payload_size == 512 * 1024 * 1024
+
+
+def test_help_offers_no_refused_value_and_no_refused_flag() -> None:
+    text = build_parser().format_help()
+    refused_values = {
+        value
+        for _, _, option in DECLARED
+        if isinstance(option, flags.Flag)
+        for value in option.refused_choices
+    }
+    assert refused_values >= {"sticky_least_loaded", "mooncake", "moriio"}
+    for value in refused_values:
+        assert value not in text
+    listed = {line.split()[0].rstrip(",") for line in text.splitlines() if line.startswith("  -")}
+    assert "--policy" in listed
+    for option in REFUSED:
+        assert option.spelling not in listed
+
+
+def test_help_groups_are_of_a_readable_size() -> None:
+    sizes = [
+        len([a for a in group._group_actions if a.help != argparse.SUPPRESS])
+        for group in build_parser()._action_groups
+    ]
+    assert max(sizes) <= 15, sizes
 
 
 def test_help_documents_the_flags() -> None:
@@ -190,6 +232,8 @@ def sample(option: flags.Flag | flags.Switch, default: Any) -> list[str]:
         return ["--no-" + option.spelling[2:] if default else option.spelling]
     if option.choices is not None:
         return [option.spelling, next(c for c in reversed(option.choices) if c != default)]
+    if option.type is byte_size:  # in a unit, as a person writes it
+        return [option.spelling, show_size(default * 2)]
     if option.type is int and isinstance(default, tuple):  # several numbers
         return [option.spelling, *(str(n * 2) for n in default), "3"]
     if option.type is int:

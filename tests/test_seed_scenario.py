@@ -1,4 +1,5 @@
-"""Issue 4's seed scenario: cache_aware with the seed flags keeps every decode engine busy.
+"""The seed scenario: cache_aware with the seed flags (the vllm-router launch command in
+docs/migrate.md) keeps every decode engine busy.
 
 200 streams that share a long prefix, through one decode server with 4 DP ranks. With exact
 load (decode counted until the stream's last byte) the balance check fires and spreads the

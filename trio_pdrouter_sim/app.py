@@ -1,6 +1,6 @@
 """The simulator's ASGI application: vLLM's HTTP surface plus the ``/sim/*`` control routes.
 
-One request = one nursery (see DESIGN.md). A generation request runs its engine work in the
+One request = one nursery, as in the router. A generation request runs its engine work in the
 main task while a sibling task watches ``receive()``: hypercorn never cancels an app whose
 client left, it only queues ``http.disconnect``. The watcher cancels the work, which frees
 the engine slot and counts an abort. It is stopped *before* the final ``more_body=False``

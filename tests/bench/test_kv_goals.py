@@ -1,4 +1,4 @@
-"""The benchmark report's verdicts on the goals of the issue behind ``kv_aware``: each setup from
+"""The benchmark report's verdicts on the goals ``kv_aware`` was built to: each setup from
 the run's paired rounds where it has them, else from the medians of its main rows, each goal at
 its own threshold."""
 

@@ -1,4 +1,4 @@
-"""Two router replicas on one real Redis in front of shared simulators (issue 14, part B).
+"""Two router replicas on one real Redis in front of shared simulators.
 
 * Under steady, bounded load the cluster view (``/get_loads``' ``"cluster"``, its visible
   part: what the engines can see) follows the engines' own counts within 2 per endpoint at the

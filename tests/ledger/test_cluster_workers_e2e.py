@@ -1,4 +1,4 @@
-"""Two replicas of two workers each on one real Redis (issue 14, done-when 4).
+"""Two replicas of two workers each on one real Redis.
 
 * Every worker of a replica publishes the machine's ledger under the replica's id: a peer sees
   the replica's whole count once (not once per worker, not one worker's share).

@@ -1,4 +1,4 @@
-"""A prompt no decode engine could hold is refused before any engine runs it (issue 12 §1)."""
+"""A prompt no decode engine could hold is refused before any engine runs it."""
 
 from __future__ import annotations
 

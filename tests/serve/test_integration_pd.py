@@ -1,4 +1,4 @@
-"""The router against real simulators over 127.0.0.1 (issue 3's acceptance checks)."""
+"""The router against real simulators over 127.0.0.1: a PD request end to end."""
 
 from __future__ import annotations
 

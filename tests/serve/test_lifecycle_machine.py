@@ -6,7 +6,7 @@ resets, stalls mid-body; decode sends its head, chunks, EOF, fails mid-stream; t
 any point or stops reading; time jumps past timeouts; the server shuts down — and after every rule
 the app is run until every task is blocked, then the invariants are checked.
 
-The model is what an engine could observe, per SPEC §5:
+The model is what an engine could observe (docs/design.md, "The load ledger"):
 
 * a prefill endpoint is held by each *open prefill call* (the router sent the request and has
   neither read the answer to its end nor closed it);
@@ -15,7 +15,7 @@ The model is what an engine could observe, per SPEC §5:
   endpoint; with several (the retry machine) the decode endpoint of a request still in prefill
   is not observable, so the check is exact for the decode total and a lower bound per endpoint.
 
-Why a helper thread: Hypothesis has no async state machines (DESIGN). One ``trio.run`` per
+Why a helper thread: Hypothesis has no async state machines. One ``trio.run`` per
 machine lives in a helper thread for the whole example; each rule is a synchronous call into it
 (``trio.from_thread.run``) that performs the rule's action and then waits until every task of the
 app is blocked, so the invariants always see a quiescent router. The run uses a ``MockClock``

@@ -85,7 +85,7 @@ async def hold_streams(
     [
         # itl 50 ms: 48 held streams make ~1,000 events/s, light enough beside the whole suite
         48,
-        # done-when 1 as the issue states it: ~4,000 events/s, for `make bench` (pytest -m slow)
+        # the load the machine ledger was built for: ~4,000 events/s, for `make bench` (pytest -m slow)
         pytest.param(200, marks=pytest.mark.slow),
     ],
 )

@@ -17,7 +17,7 @@ by the command line.
 from __future__ import annotations
 
 from .cluster import ClusterSettings
-from .command_line import build_parser, parse_config
+from .command_line import build_parser, parse_config, shown_default
 from .discovery import DiscoverySettings, Selector
 from .flags import ConfigError
 from .kv_events import KvEventSettings
@@ -25,6 +25,7 @@ from .listening import ServerSettings, Timeouts
 from .policies import LOAD_METRICS, POLICY_NAMES, PolicySettings
 from .resilience import AdmissionSettings, BreakerSettings, HealthSettings, RetrySettings
 from .router import RouterConfig
+from .sizes import byte_size, show_size
 
 __all__ = [
     "LOAD_METRICS",
@@ -43,5 +44,8 @@ __all__ = [
     "ServerSettings",
     "Timeouts",
     "build_parser",
+    "byte_size",
     "parse_config",
+    "show_size",
+    "shown_default",
 ]

@@ -16,40 +16,55 @@ from . import flags
 from .flags import ConfigError
 from .router import RouterConfig
 
-__all__ = ["build_parser", "parse_config"]
+__all__ = ["build_parser", "parse_config", "shown_default"]
+
+USAGE = """\
+%(prog)s --vllm-pd-disaggregation --prefill URL --decode URL [options]   (PD mode)
+       %(prog)s --worker-urls URL [URL ...] [options]                        (regular mode)"""
 
 DESCRIPTION = """\
 A vLLM router for prefill/decode (PD) disaggregated serving and plain load balancing, built on
 trio. Per-endpoint load is exact: a decode stream counts until its last byte, until the client
 leaves, or until anything fails.
-
-PD mode:      trio-pdrouter --vllm-pd-disaggregation --prefill URL --decode URL [...]
-Regular mode: trio-pdrouter --worker-urls URL [URL ...]
 """
 
 EPILOG = """\
-routes: POST /v1/completions, /v1/chat/completions, /v1/responses, /inference/v1/generate
-(generation, streaming or not; split in PD mode); POST /v1/rerank, /rerank, /tokenize,
-/detokenize, /v1/embeddings, /pooling, /score, /v1/score, /classify (to one server); GET
-/v1/models, /health, /healthcheck, /liveness, /readiness, /get_loads (the load ledger), /workers,
-/metrics.
+Sizes take a unit: 512MiB, 4MiB, 1GiB, 64KiB (or plain bytes). vllm-router's flags for what
+is not implemented here (--mini-lb, --enable-igw, --vllm-discovery-address, WASM middleware,
+program scheduling) parse and then stop the router with the reason and what to use instead.
+Every flag, with the reasoning behind its default: docs/reference/configuration.md.
 """
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Each flag's default after its help, except None ("not given"): it tells a user nothing,
-    and where the default depends on other flags (the help says how) it would contradict it."""
+def shown_default(action: argparse.Action) -> str | None:
+    """A flag's default as ``--help`` and the reference show it, or None when it tells a user
+    nothing: "not given" (None, an empty list, an unset switch), or a default that depends on
+    other flags (the help says how). A list shows as the words to type."""
+    text = action.help or ""
+    default = action.default
+    unset = default is None or default is False or default is argparse.SUPPRESS
+    if unset or default in ([], ()) or "Default:" in text or "(default:" in text:
+        return None
+    if isinstance(default, list | tuple):
+        return " ".join(str(value) for value in default)
+    return str(default)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each flag's help, then its :func:`shown_default` when there is one."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None:
+        shown = shown_default(action)
+        if shown is None or action.help is argparse.SUPPRESS:
             return action.help
-        return super()._get_help_string(action)
+        return f"{action.help} (default: {shown.replace('%', '%%')})"
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every flag that :class:`RouterConfig` declares."""
     parser = argparse.ArgumentParser(
         prog="trio-pdrouter",
+        usage=USAGE,
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=_HelpFormatter,

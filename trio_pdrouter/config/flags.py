@@ -4,7 +4,8 @@ The rules:
 
 * A flag is declared with :func:`setting` on the attrs field it sets: its spelling, its
   ``--help`` group and text, and argparse's type, choices, nargs, metavar and action, as a
-  :class:`Flag`. The field's default is the flag's default; nothing else repeats it.
+  :class:`Flag`. The field's default is the flag's default; nothing else repeats it (``show=``
+  only says how ``--help`` writes it: a size as ``512MiB``).
 * A settings class inside another is a :func:`section`. :func:`add_flags` builds the parser and
   :func:`build` turns the parsed arguments into the config by the same walk: the root class and
   its sections, field by field, in declaration order (so ``--help`` lists a group's flags in the
@@ -18,7 +19,8 @@ The rules:
 * A vllm-router flag that trio-pdrouter does not implement is still declared, on the field it
   will set, with ``refused=`` saying why and what to use instead (and a value of a ``choices``
   flag likewise with ``refused_choices=``). It parses, so a vllm-router launch command reaches
-  :func:`build`, which then refuses every such flag given, all in one :class:`ConfigError`.
+  :func:`build`, which then refuses every such flag given, all in one :class:`ConfigError`;
+  ``--help`` leaves such flags and values out (the configuration reference lists them).
   Giving a refused flag its default value is not refusing anything: it is accepted. Whoever
   implements the feature removes ``refused=`` and uses the field.
 """
@@ -49,17 +51,23 @@ class ConfigError(ValueError):
 
 
 class Group(enum.Enum):
-    """The sections of ``--help``, in the order they are shown."""
+    """The sections of ``--help``, in the order they are shown (a dozen flags or fewer each)."""
 
     LISTENING = "listening"
     UPSTREAMS = "upstreams"
     ROUTING_POLICY = "routing policy"
+    KV_AWARE = "kv_aware: routing on vLLM's KV events"
     REQUESTS = "requests"
-    RESILIENCE = "resilience"
+    TIMEOUTS = "timeouts"
+    RETRIES = "retries"
+    CIRCUIT_BREAKERS = "circuit breakers"
+    HEALTH = "health checks"
+    ADMISSION = "admission"
     CLUSTER = "cluster"
     DISCOVERY = "kubernetes service discovery"
     SECURITY = "security"
     OBSERVABILITY = "observability"
+    #: Left out of ``--help`` (the documentation lists them): they parse, then refuse to start.
     REFUSED = "vllm-router flags not implemented (they parse, then refuse to start with a reason)"
 
 
@@ -77,6 +85,8 @@ class Flag:
     action: str | builtins.type[argparse.Action] | None = None
     #: Turns what argparse parsed into the field's value; may raise :class:`ConfigError`.
     parse: Callable[[Any], Any] | None = None
+    #: How ``--help`` shows the default, as text ``type`` parses back (sizes: ``512MiB``).
+    show: Callable[[Any], str] | None = None
     #: Parsed as usual but left out of ``--help`` (test-only flags).
     hidden: bool = False
     #: Not implemented: why, and the alternative. Given (other than its default), the config
@@ -86,11 +96,16 @@ class Flag:
     refused_choices: Mapping[str, str] = attrs.field(factory=dict)
 
     def arguments(self, default: object) -> dict[str, Any]:
-        """``add_argument``'s keywords; ``default`` is the field's (a tuple is shown as a list)."""
-        choices = self.choices
-        if choices is not None and self.refused_choices:
-            choices = (*choices, *self.refused_choices)
-        text = self.help if self.refused is None else f"{self.help} [refused: {self.refused}]"
+        """``add_argument``'s keywords; ``default`` is the field's (a tuple is shown as a list).
+
+        A refused flag is left out of ``--help``, and a refused value out of the choices shown;
+        both still parse, so that the config build can refuse them with the reason.
+        """
+        choices: Offered | tuple[str, ...] | None = self.choices
+        if self.choices is not None and self.refused_choices:
+            choices = Offered(self.choices, tuple(self.refused_choices))
+        if self.show is not None and default is not None:
+            default = self.show(default)
         keywords = {
             "type": self.type,
             "choices": choices,
@@ -100,7 +115,7 @@ class Flag:
         }
         return {
             "default": list(default) if isinstance(default, tuple) else default,
-            "help": argparse.SUPPRESS if self.hidden else text,
+            "help": argparse.SUPPRESS if self.hidden or self.refused else self.help,
             **{name: value for name, value in keywords.items() if value is not None},
         }
 
@@ -117,6 +132,24 @@ class Flag:
         if isinstance(raw, str) and raw in self.refused_choices:
             return f"{self.spelling} {raw}", self.refused_choices[raw]
         return None
+
+
+class Offered:
+    """A flag's ``choices`` for argparse: it shows (iterates over) the values offered, and
+    accepts (contains) those and the refused ones, which the config build then refuses."""
+
+    def __init__(self, offered: tuple[str, ...], refused: tuple[str, ...]) -> None:
+        self._offered = offered
+        self._accepted = frozenset((*offered, *refused))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._offered)
+
+    def __len__(self) -> int:
+        return len(self._offered)
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._accepted
 
 
 @attrs.frozen

@@ -27,7 +27,7 @@ def _sources(spelling: str, help: str) -> tuple[str, ...]:
         (),
         Flag(
             spelling,
-            Group.ROUTING_POLICY,
+            Group.KV_AWARE,
             help,
             action="append",
             metavar="URL=ENDPOINT[,ENDPOINT...]",
@@ -56,7 +56,7 @@ class KvEventSettings:
         16,
         Flag(
             "--kv-event-block-size",
-            Group.ROUTING_POLICY,
+            Group.KV_AWARE,
             "kv_aware: the engines' KV block size in tokens (vLLM's --block-size)",
             type=int,
         ),
@@ -66,7 +66,7 @@ class KvEventSettings:
         None,
         Flag(
             "--kv-event-model",
-            Group.ROUTING_POLICY,
+            Group.KV_AWARE,
             "kv_aware: the model every event source serves (informational: one router serves"
             " one model)",
         ),
@@ -79,7 +79,7 @@ class KvEventSettings:
         100_000,
         Flag(
             "--kv-index-max-blocks",
-            Group.ROUTING_POLICY,
+            Group.KV_AWARE,
             "kv_aware: blocks the router indexes per engine and DP rank; past it the oldest"
             " are dropped (less credit, never false credit)",
             type=int,
@@ -91,7 +91,7 @@ class KvEventSettings:
         None,
         Flag(
             "--kv-tokenizer-path",
-            Group.ROUTING_POLICY,
+            Group.KV_AWARE,
             "kv_aware: tokenize prompts in the router with the engines' tokenizer (a"
             " tokenizer.json, or a model directory with tokenizer.json and tokenizer_config.json"
             " for the chat template) instead of asking an engine's /tokenize per request"
@@ -105,14 +105,14 @@ class KvEventSettings:
         None,
         Flag(
             "--kv-tokenize-cut-chars",
-            Group.ROUTING_POLICY,
+            Group.KV_AWARE,
             "kv_aware: N > 0 tokenizes a text prompt whose start (512 characters or more) the"
             " router has sent before up to that start, cut at a multiple of N characters, and"
             " caches the start's ids. With --kv-tokenizer-path the rest is encoded from a word"
             " boundary and every id kept (exact, measured cheaper than a whole encode); with"
             " /tokenize the rest is counted by estimate and gets no credit (measured: less"
-            " router CPU, 1-1.5 points fewer hits; README). 0: every prompt whole. Default: 32"
-            " with --kv-tokenizer-path, else 0",
+            " router CPU, 1-1.5 points fewer hits; docs/routing.md). 0: every prompt whole."
+            " Default: 32 with --kv-tokenizer-path, else 0",
             type=int,
         ),
         check=non_negative,

@@ -107,7 +107,7 @@ class Timeouts:
         1800.0,
         Flag(
             "--request-timeout-secs",
-            Group.REQUESTS,
+            Group.TIMEOUTS,
             "bounds the prefill leg, the wait for decode's first byte, and every gap between"
             " decode chunks; never a stream that keeps producing",
             type=float,
@@ -118,7 +118,7 @@ class Timeouts:
         None,
         Flag(
             "--prefill-timeout-secs",
-            Group.REQUESTS,
+            Group.TIMEOUTS,
             "limit on the whole prefill leg (default: --request-timeout-secs)",
             type=float,
         ),
@@ -128,7 +128,7 @@ class Timeouts:
         None,
         Flag(
             "--decode-first-byte-timeout-secs",
-            Group.REQUESTS,
+            Group.TIMEOUTS,
             "limit from sending the decode leg to its first byte; for a non-streaming request"
             " that is the whole answer (default: --request-timeout-secs)",
             type=float,
@@ -139,7 +139,7 @@ class Timeouts:
         None,
         Flag(
             "--decode-idle-timeout-secs",
-            Group.REQUESTS,
+            Group.TIMEOUTS,
             "longest gap between two chunks of a decode stream (default: --request-timeout-secs)",
             type=float,
         ),
@@ -149,7 +149,7 @@ class Timeouts:
         1.0,
         Flag(
             "--prefill-answer-grace-secs",
-            Group.REQUESTS,
+            Group.TIMEOUTS,
             "a client that leaves while the prefill leg is out: stop sending to the prefill"
             " engine (it aborts a prefill still running), but read this long an answer already"
             " on its way, so its KV blocks are reclaimed instead of stranded; 0: close at once",
@@ -161,7 +161,7 @@ class Timeouts:
         20.0,
         Flag(
             "--prefill-kv-hold-secs",
-            Group.REQUESTS,
+            Group.TIMEOUTS,
             "how long a prefill engine can be counted on to hold a request's KV blocks for its"
             " decode (vLLM's NIXL lease is 30 s, its older abort timeout 120-480 s): a decode"
             " retry reuses them, and a departed client's are reclaimed, only within this time"
@@ -175,7 +175,7 @@ class Timeouts:
         10.0,
         Flag(
             "--connect-timeout-secs",
-            Group.REQUESTS,
+            Group.TIMEOUTS,
             "time to open a connection to an upstream",
             type=float,
         ),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import attrs
 
 from .flags import Flag, Group, must, non_negative, positive, setting
+from .sizes import byte_size, show_size
 
 __all__ = ["LOAD_METRICS", "POLICY_NAMES", "PolicySettings"]
 
@@ -28,7 +29,7 @@ LOAD_METRICS = ("requests", "tokens")
 def _kv_penalty(spelling: str, tier: str) -> Flag:
     return Flag(
         spelling,
-        Group.ROUTING_POLICY,
+        Group.KV_AWARE,
         f"kv_aware: credit for KV blocks held in the {tier} tier (0.0-1.0); no effect on other"
         " policies",
         type=float,
@@ -93,7 +94,7 @@ class PolicySettings:
             "the load power_of_two, cache_aware, kv_aware and the least-loaded choice compare"
             " on every stage: in-flight requests, or their token weights (prefill: uncached"
             " prompt tokens; decode: prompt + max_tokens). Default: tokens on prefill, requests on"
-            " decode and regular workers (measured: README)",
+            " decode and regular workers (measured: docs/routing.md)",
             choices=LOAD_METRICS,
         ),
     )
@@ -129,8 +130,10 @@ class PolicySettings:
         Flag(
             "--max-tree-size",
             Group.ROUTING_POLICY,
-            "cache_aware: bytes of text (UTF-8) each endpoint may keep in the prefix tree",
-            type=int,
+            "cache_aware: text (UTF-8 bytes) each endpoint may keep in the prefix tree",
+            type=byte_size,
+            show=show_size,
+            metavar="SIZE",
         ),
         check=positive,
     )
@@ -140,7 +143,7 @@ class PolicySettings:
         0.0,
         Flag(
             "--router-temperature",
-            Group.ROUTING_POLICY,
+            Group.KV_AWARE,
             "kv_aware: softmax temperature over endpoint scores (0: the best, ties at random);"
             " no effect on other policies",
             type=float,
@@ -156,7 +159,7 @@ class PolicySettings:
         None,
         Flag(
             "--kv-aware-session-affinity-ttl-secs",
-            Group.ROUTING_POLICY,
+            Group.KV_AWARE,
             "kv_aware on decode and regular stages: a session (X-Session-ID, X-User-ID,"
             " X-Tenant-ID, or the body's session_id/user) returns to its endpoint while idle"
             " less than this many seconds, unless that endpoint is overloaded or unavailable;"

@@ -18,7 +18,7 @@ class RetrySettings:
         5,
         Flag(
             "--retry-max-retries",
-            Group.RESILIENCE,
+            Group.RETRIES,
             "attempts per request in all (1 = no retry). Prefill is retried on another"
             " endpoint after connection errors, 5xx, 429 and timeouts; decode only before the"
             " client got a byte, then on another decode with the prefill's KV blocks",
@@ -26,7 +26,7 @@ class RetrySettings:
         ),
         switch=Switch(
             "--disable-retries",
-            Group.RESILIENCE,
+            Group.RETRIES,
             "one attempt per request (as --retry-max-retries 1)",
             sets=1,
         ),
@@ -36,7 +36,7 @@ class RetrySettings:
         50,
         Flag(
             "--retry-initial-backoff-ms",
-            Group.RESILIENCE,
+            Group.RETRIES,
             "wait before the first retry; each later wait is multiplied by"
             " --retry-backoff-multiplier",
             type=int,
@@ -44,13 +44,13 @@ class RetrySettings:
     )
     max_backoff_ms: int = setting(
         30_000,
-        Flag("--retry-max-backoff-ms", Group.RESILIENCE, "longest wait between attempts", type=int),
+        Flag("--retry-max-backoff-ms", Group.RETRIES, "longest wait between attempts", type=int),
     )
     backoff_multiplier: float = setting(
         1.5,
         Flag(
             "--retry-backoff-multiplier",
-            Group.RESILIENCE,
+            Group.RETRIES,
             "growth of the wait from one retry to the next",
             type=float,
         ),
@@ -59,7 +59,7 @@ class RetrySettings:
         0.2,
         Flag(
             "--retry-jitter-factor",
-            Group.RESILIENCE,
+            Group.RETRIES,
             "each wait is varied at random by up to this fraction, so retries do not march in step",
             type=float,
         ),
@@ -72,7 +72,7 @@ class BreakerSettings:
         10,
         Flag(
             "--cb-failure-threshold",
-            Group.RESILIENCE,
+            Group.CIRCUIT_BREAKERS,
             "failures within the window that open an endpoint's circuit",
             type=int,
         ),
@@ -81,7 +81,7 @@ class BreakerSettings:
         3,
         Flag(
             "--cb-success-threshold",
-            Group.RESILIENCE,
+            Group.CIRCUIT_BREAKERS,
             "half-open successes that close the circuit again",
             type=int,
         ),
@@ -90,7 +90,7 @@ class BreakerSettings:
         60.0,
         Flag(
             "--cb-timeout-duration-secs",
-            Group.RESILIENCE,
+            Group.CIRCUIT_BREAKERS,
             "how long a circuit stays open before a trial request",
             type=float,
         ),
@@ -99,7 +99,7 @@ class BreakerSettings:
         120.0,
         Flag(
             "--cb-window-duration-secs",
-            Group.RESILIENCE,
+            Group.CIRCUIT_BREAKERS,
             "window over which failures are counted",
             type=float,
         ),
@@ -108,7 +108,7 @@ class BreakerSettings:
         True,
         switch=Switch(
             "--disable-circuit-breaker",
-            Group.RESILIENCE,
+            Group.CIRCUIT_BREAKERS,
             "never take an endpoint out of rotation for its failures (health checks still do)",
             sets=False,
         ),
@@ -118,13 +118,13 @@ class BreakerSettings:
 @attrs.frozen
 class HealthSettings:
     endpoint: str = setting(
-        "/health", Flag("--health-check-endpoint", Group.RESILIENCE, "path probed on upstreams")
+        "/health", Flag("--health-check-endpoint", Group.HEALTH, "path probed on upstreams")
     )
     interval_secs: float = setting(
         60.0,
         Flag(
             "--health-check-interval-secs",
-            Group.RESILIENCE,
+            Group.HEALTH,
             "seconds between probes of each upstream server (0: no probes; every endpoint is"
             " then taken as healthy). Probes change health only, never the load ledger",
             type=float,
@@ -134,7 +134,7 @@ class HealthSettings:
         5.0,
         Flag(
             "--health-check-timeout-secs",
-            Group.RESILIENCE,
+            Group.HEALTH,
             "a probe not answered 2xx within this is a failure",
             type=float,
         ),
@@ -143,7 +143,7 @@ class HealthSettings:
         3,
         Flag(
             "--health-failure-threshold",
-            Group.RESILIENCE,
+            Group.HEALTH,
             "consecutive failed probes that mark an endpoint unhealthy",
             type=int,
         ),
@@ -152,7 +152,7 @@ class HealthSettings:
         2,
         Flag(
             "--health-success-threshold",
-            Group.RESILIENCE,
+            Group.HEALTH,
             "consecutive good probes that mark it healthy again",
             type=int,
         ),
@@ -161,7 +161,7 @@ class HealthSettings:
         600.0,
         Flag(
             "--worker-startup-timeout-secs",
-            Group.RESILIENCE,
+            Group.HEALTH,
             "at start, wait this long for every configured server to answer its health check;"
             " then exit 1 naming those that did not (0: start without waiting)",
             type=float,
@@ -172,7 +172,7 @@ class HealthSettings:
         30.0,
         Flag(
             "--worker-startup-check-interval",
-            Group.RESILIENCE,
+            Group.HEALTH,
             "seconds between health checks while waiting for the servers at start",
             type=float,
         ),
@@ -186,7 +186,7 @@ class AdmissionSettings:
         32768,
         Flag(
             "--max-concurrent-requests",
-            Group.RESILIENCE,
+            Group.ADMISSION,
             "requests served at once (streams count until they end)",
             type=int,
         ),
@@ -195,7 +195,7 @@ class AdmissionSettings:
         100,
         Flag(
             "--queue-size",
-            Group.RESILIENCE,
+            Group.ADMISSION,
             "requests waiting beyond --max-concurrent-requests (0: answer 429 at once)",
             type=int,
         ),
@@ -204,7 +204,7 @@ class AdmissionSettings:
         60.0,
         Flag(
             "--queue-timeout-secs",
-            Group.RESILIENCE,
+            Group.ADMISSION,
             "longest wait in the queue (then 408)",
             type=float,
         ),
@@ -213,7 +213,7 @@ class AdmissionSettings:
         None,
         Flag(
             "--rate-limit-tokens-per-second",
-            Group.RESILIENCE,
+            Group.ADMISSION,
             "admit at most this many requests per second on average (a token bucket of"
             " --max-concurrent-requests tokens); beyond it, 429 with Retry-After",
             type=int,

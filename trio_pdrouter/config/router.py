@@ -28,6 +28,7 @@ from .refused import (
     ZmqDiscoverySettings,
 )
 from .resilience import AdmissionSettings, BreakerSettings, HealthSettings, RetrySettings
+from .sizes import byte_size, show_size
 
 __all__ = ["RouterConfig"]
 
@@ -205,8 +206,10 @@ class RouterConfig:
         Flag(
             "--max-payload-size",
             Group.REQUESTS,
-            "largest request body accepted, in bytes (larger: 413)",
-            type=int,
+            "largest request body accepted (larger: 413)",
+            type=byte_size,
+            show=show_size,
+            metavar="SIZE",
         ),
         check=positive,
     )
@@ -256,7 +259,9 @@ class RouterConfig:
             Group.REQUESTS,
             "decode output held for a client reading slower than the engine writes; past it"
             " the request is aborted upstream",
-            type=int,
+            type=byte_size,
+            show=show_size,
+            metavar="SIZE",
         ),
     )
     max_total_buffered_bytes: int = setting(
@@ -266,7 +271,9 @@ class RouterConfig:
             Group.REQUESTS,
             "decode output held for all clients together; past it the streams furthest"
             " behind are ended (aborted upstream) until the total fits",
-            type=int,
+            type=byte_size,
+            show=show_size,
+            metavar="SIZE",
         ),
         check=positive,
     )
@@ -277,7 +284,9 @@ class RouterConfig:
             Group.REQUESTS,
             "largest answer read from an engine in one piece (a prefill answer, a non-streaming"
             " answer); past it the leg fails with a 502 instead of filling the router's memory",
-            type=int,
+            type=byte_size,
+            show=show_size,
+            metavar="SIZE",
         ),
         check=positive,
     )

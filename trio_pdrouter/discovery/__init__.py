@@ -14,6 +14,7 @@ from __future__ import annotations
 from .credentials import Credentials, NoCredentials, from_kubeconfig, load
 from .follow import credentials, follow_pods
 from .kube_api import Expired, PodsApi
+from .metrics import DiscoveryMetrics
 from .pod_rule import ELIGIBILITY, PodServer, ineligible, pod_ref, servers_of
 from .pod_watch import BACKOFF_MAX, PodWatch
 from .reconcile import Reconciler
@@ -22,6 +23,7 @@ __all__ = [
     "BACKOFF_MAX",
     "ELIGIBILITY",
     "Credentials",
+    "DiscoveryMetrics",
     "Expired",
     "NoCredentials",
     "PodServer",

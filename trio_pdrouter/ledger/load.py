@@ -32,7 +32,7 @@ Rules of this module (everything that changes a counter lives here):
 * The ledger is never reset by timers or health checks; an endpoint removed from routing keeps its
   counter until its last lease is released, so an in-flight request always releases what it took.
 
-Theory of operation for a PD request (SPEC §5)::
+Theory of operation for a PD request (docs/design.md, "The load ledger")::
 
     lease = ledger.lease(prefill_ep, decode_ep, pending=(decode_ep,),  # chosen and charged
                          tokens={prefill_ep: uncached_prompt, decode_ep: prompt + max_tokens})

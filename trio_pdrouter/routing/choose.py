@@ -176,8 +176,8 @@ class Routing:
     def lease_pd(
         self, key: RoutingKey, avoid_urls: Collection[str] = ()
     ) -> tuple[Lease, Endpoint, Endpoint]:
-        """Choose a prefill and a decode endpoint and charge both (SPEC §5: decode is charged
-        before prefill starts, so concurrent arrivals see it)."""
+        """Choose a prefill and a decode endpoint and charge both (decode is charged before
+        prefill starts, so concurrent arrivals see it; docs/design.md, "The load ledger")."""
         with self._ledger.charging():
             prefill, prefill_tokens, prefill_release = self._choose(Role.PREFILL, key, avoid_urls)
             try:

@@ -1,4 +1,5 @@
-"""Pure request shaping for the two legs of vLLM's NIXL prefill/decode handshake (SPEC §2-§3).
+"""Pure request shaping for the two legs of vLLM's NIXL prefill/decode handshake (docs/design.md,
+"The wire contract with vLLM").
 
 The prefill leg asks for one token and for ``kv_transfer_params`` to hand to decode; the decode
 leg is the client's request as sent plus those params, copied verbatim. Nothing here adds a field

@@ -153,7 +153,7 @@ class BufferedDecode:
     The prefill's KV blocks are decode's once the leg is sent, unless decode answers an error
     or the connection fails before the whole request went out (see :mod:`.lifecycle`).
     When the client asked for prompt logprobs or echo, the prefill's prompt-side fields are
-    merged into the answer (SPEC §6).
+    merged into the answer (:mod:`.logprobs`).
     """
 
     def __init__(self, client: LegClient, limit: float, cap: int) -> None:

@@ -1,4 +1,4 @@
-"""Pure merge of prompt-side results from the prefill answer into the decode answer (SPEC §6).
+"""Pure merge of prompt-side results from the prefill answer into the decode answer.
 
 In PD serving only the prefill engine sees the prompt's logits, so ``prompt_logprobs`` and the
 echoed prompt tokens of ``echo`` + ``logprobs`` exist only in the prefill answer. For a

@@ -1,6 +1,6 @@
 """One inference request's life: admission, attempts with retries, the final answer.
 
-Structure (DESIGN "One request = one nursery")::
+Structure (one request = one nursery; docs/design.md)::
 
     async with trio.open_nursery() as nursery:           # the request's cancel scope
         nursery.start_soon(watch_disconnect, ...)        # client gone -> cancel everything

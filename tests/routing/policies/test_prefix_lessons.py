@@ -1,4 +1,4 @@
-"""The prefix tree keeps only prompts an engine accepted (issue 12 §2), through the whole app."""
+"""The prefix tree keeps only prompts an engine accepted, through the whole app."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``cache_aware``: send a request where its prefix is probably cached, unless that skews load.
 
-Per decision, over the candidates' ledger loads (SPEC §7, vllm-router compatible)::
+Per decision, over the candidates' ledger loads (as vllm-router decides)::
 
     is_unbalanced = (max_load - min_load) > balance_abs_threshold
                     and max_load > min_load * balance_rel_threshold
