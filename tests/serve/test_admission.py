@@ -1,4 +1,5 @@
-"""Admission: the concurrency cap, its FIFO queue, 429/408 refusals, and exact slot release."""
+"""Admission: the concurrency cap, its queue (priority, aging, arrival), 429/408 refusals, and exact
+slot release."""
 
 from __future__ import annotations
 
@@ -16,14 +17,76 @@ from trio_pdrouter.serve import (
 )
 
 
-def admission(limit: int = 1, queue: int = 10, timeout: float = 60.0) -> Admission:
-    return Admission(AdmissionSettings(limit, queue, timeout))
+def admission(
+    limit: int = 1, queue: int = 10, timeout: float = 60.0, aging: float = 1.0
+) -> Admission:
+    return Admission(AdmissionSettings(limit, queue, timeout, priority_aging_secs=aging))
 
 
-async def hold(adm: Admission, release: trio.Event, admitted: list[str], name: str) -> None:
-    async with adm.slot():
+async def hold(
+    adm: Admission, release: trio.Event, admitted: list[str], name: str, priority: int = 0
+) -> None:
+    async with adm.slot(priority):
         admitted.append(name)
         await release.wait()
+
+
+async def _queue_then_drain(
+    adm: Admission, arrivals: list[tuple[str, int]], between: float = 0.0
+) -> list[str]:
+    """One holder, then ``arrivals`` (name, priority) queue ``between`` seconds apart; each
+    admitted request leaves at once. The order they were admitted in."""
+    admitted: list[str] = []
+    release = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hold, adm, release, admitted, "holder")
+        await trio.testing.wait_all_tasks_blocked()
+        done = trio.Event()
+        done.set()
+        for name, priority in arrivals:
+            await trio.sleep(between)
+            nursery.start_soon(hold, adm, done, admitted, name, priority)
+            await trio.testing.wait_all_tasks_blocked()
+        assert adm.queued == len(arrivals)
+        release.set()
+    assert (adm.in_flight, adm.queued) == (0, 0)
+    return admitted[1:]
+
+
+async def test_the_lowest_priority_goes_first_then_arrival_order() -> None:
+    adm = admission(aging=0)
+    order = await _queue_then_drain(adm, [("a", 0), ("b", 5), ("c", -10), ("d", 0), ("e", -10)])
+    assert order == ["c", "e", "a", "d", "b"]
+
+
+async def test_waiting_ages_a_request_so_it_is_not_overtaken_forever(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # b (priority 5) has waited 10 s when c (priority 0) comes: at 1 s per level it is sooner.
+    aged = await _queue_then_drain(admission(aging=1.0), [("b", 5), ("c", 0)], between=10.0)
+    assert aged == ["b", "c"]
+    unaged = await _queue_then_drain(admission(aging=0), [("b", 5), ("c", 0)], between=10.0)
+    assert unaged == ["c", "b"]
+
+
+async def test_a_waiter_that_left_is_skipped_and_not_counted() -> None:
+    adm = admission(limit=1)
+    admitted: list[str] = []
+    release, never = trio.Event(), trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hold, adm, release, admitted, "x")
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.CancelScope() as leaving:
+            async with trio.open_nursery() as inner:
+                inner.start_soon(hold, adm, never, admitted, "gone", -5)
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(hold, adm, release, admitted, "next", 0)
+                await trio.testing.wait_all_tasks_blocked()
+                assert adm.queued == 2
+                leaving.cancel()
+        assert adm.queued == 1
+        release.set()
+    assert admitted == ["x", "next"] and (adm.in_flight, adm.queued) == (0, 0)
 
 
 async def test_slots_up_to_the_limit_are_granted_at_once() -> None:

@@ -15,6 +15,7 @@ import trio
 
 from ..config import RouterConfig
 from ..http import ROUTES, Receive, Reply, Route, Scope, Send, errors
+from ..ledger import token_count
 from ..observe import RequestRecord, RouterMetrics, access_line
 from ..routing import PromptTokens, routing_key
 from ..serve import ContextCheck, Inference, Proxy, bodies, sampling
@@ -130,6 +131,7 @@ class InferenceRoutes:
             stream=stream,
             request_id=bodies.request_id(headers, self._config.request_id_headers),
             key=key,
+            priority=token_count(body.get("priority", 0)) or 0,
         )
 
 
@@ -160,6 +162,8 @@ def _validate(route: Route, body: Any) -> None:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(errors.bad_request("'stream' must be a boolean", "stream"))
+    if token_count(body.get("priority", 0)) is None:  # vLLM's request models read an int
+        raise BadRequest(errors.bad_request("'priority' must be an integer", "priority"))
     # Refused by the router, not by decode after prefill ran: that would strand the KV.
     if (refusal := sampling.refusal(body)) is not None:
         raise BadRequest(refusal)

@@ -209,6 +209,17 @@ class AdmissionSettings:
             type=float,
         ),
     )
+    priority_aging_secs: float = setting(
+        1.0,
+        Flag(
+            "--priority-aging-secs",
+            Group.ADMISSION,
+            "the queue serves the lowest 'priority' first (vLLM's request field, 0 by default);"
+            " each this many seconds waited counts as one level sooner (0: never ages)",
+            type=float,
+        ),
+        check=must(lambda v: v >= 0, "must be 0 or more"),
+    )
     rate_limit_tokens_per_second: int | None = setting(
         None,
         Flag(

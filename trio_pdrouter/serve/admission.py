@@ -1,4 +1,4 @@
-"""Admission control: at most ``--max-concurrent-requests`` responses at once, a FIFO queue behind.
+"""Admission control: at most ``--max-concurrent-requests`` responses at once, a queue behind.
 
 A request takes a slot before anything is chosen or charged and holds it until its response is
 finished, streams included::
@@ -13,19 +13,28 @@ With ``--rate-limit-tokens-per-second``, a request first takes a token from a
 :class:`~.rate_limit.TokenBucket`; without one it is refused at once with 429 and
 ``Retry-After``.
 
-When every slot is taken, a request waits in a FIFO queue of ``--queue-size`` places for at
-most ``--queue-timeout-secs``. A full queue (or ``queue_size`` 0) refuses at once with 429; a
-wait that times out is refused with 408.
+When every slot is taken, a request waits in a queue of ``--queue-size`` places for at most
+``--queue-timeout-secs``. A full queue (or ``queue_size`` 0) refuses at once with 429; a wait
+that times out is refused with 408.
 
-FIFO is strict: a finished request hands its slot straight to the head of the queue, so the
+The queue is ordered by the request's ``priority`` (vLLM's field: lower is sooner, 0 by
+default), then by arrival; waiting ages a request: every ``--priority-aging-secs`` it has waited
+counts as one level sooner, so nothing waits forever behind a stream of sooner requests. Its
+place is fixed when it arrives — ``priority + arrival / aging`` — since every waiter ages at the
+same rate; with aging 0 the order is by priority alone. All at priority 0: FIFO.
+
+The head is strict: a finished request hands its slot straight to the head of the queue, so the
 number of slots in use never dips while someone waits and a newcomer can never overtake a
-waiter. A waiter whose client leaves simply leaves the queue; one that was handed a slot in the
-same instant it was cancelled passes the slot on to the next waiter. Releasing a slot never
-awaits, so no cancellation can skip it, and it happens exactly once per admitted request.
+waiter of the same or a sooner place. A waiter whose client leaves simply leaves the queue; one
+that was handed a slot in the same instant it was cancelled passes the slot on to the next
+waiter. Releasing a slot never awaits, so no cancellation can skip it, and it happens exactly
+once per admitted request.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from types import TracebackType
 
 import trio
@@ -52,12 +61,14 @@ class Rejected(Exception):
 
 
 class _Waiter:
-    __slots__ = ("granted", "woken")
+    __slots__ = ("granted", "left", "woken")
 
     def __init__(self) -> None:
         self.woken = trio.Event()
         #: Set with ``woken`` by the request that handed this waiter its slot.
         self.granted = False
+        #: It left the queue (cancelled or timed out); the heap drops it when it surfaces.
+        self.left = False
 
 
 class Admission:
@@ -68,8 +79,11 @@ class Admission:
         self._settings = settings
         self._bucket = bucket
         self._in_flight = 0
-        # Insertion-ordered: the first key is the head of the queue; removal by key is O(1).
-        self._queue: dict[_Waiter, None] = {}
+        # (place, arrival number, waiter): the smallest is the head. A waiter that leaves is
+        # marked and dropped when it reaches the head; ``_waiting`` counts those still in line.
+        self._queue: list[tuple[float, int, _Waiter]] = []
+        self._arrivals = itertools.count()
+        self._waiting = 0
         self.rejections: dict[str, int] = {QUEUE_FULL: 0, QUEUE_TIMEOUT: 0, RATE_LIMITED: 0}
 
     @property
@@ -79,13 +93,18 @@ class Admission:
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return self._waiting
 
-    def slot(self) -> Slot:
-        """An async context manager holding one slot for its block; raises :class:`Rejected`."""
-        return Slot(self)
+    def slot(self, priority: int = 0) -> Slot:
+        """An async context manager holding one slot for its block; raises :class:`Rejected`.
+        ``priority``: the request's place in the queue (lower is sooner; see the module doc)."""
+        return Slot(self, priority)
 
-    async def _acquire(self) -> None:
+    def _place(self, priority: int) -> float:
+        aging = self._settings.priority_aging_secs
+        return priority + trio.current_time() / aging if aging > 0 else float(priority)
+
+    async def _acquire(self, priority: int) -> None:
         s = self._settings
         if self._bucket is not None:
             wait = self._bucket.take(trio.current_time())
@@ -94,10 +113,10 @@ class Admission:
                 rate = s.rate_limit_tokens_per_second
                 message = f"the router admits at most {rate} requests per second"
                 raise Rejected(errors.too_many_requests(message, retry_after=wait), RATE_LIMITED)
-        if self._in_flight < s.max_concurrent_requests and not self._queue:
+        if self._in_flight < s.max_concurrent_requests and not self._waiting:
             self._in_flight += 1
             return
-        if len(self._queue) >= s.queue_size:
+        if self._waiting >= s.queue_size:
             self.rejections[QUEUE_FULL] += 1
             limit = s.max_concurrent_requests
             queue = f"its queue of {s.queue_size} is full" if s.queue_size else "it queues none"
@@ -108,7 +127,8 @@ class Admission:
                 QUEUE_FULL,
             )
         waiter = _Waiter()
-        self._queue[waiter] = None
+        heapq.heappush(self._queue, (self._place(priority), next(self._arrivals), waiter))
+        self._waiting += 1
         try:
             with trio.move_on_after(s.queue_timeout_secs):
                 await waiter.woken.wait()
@@ -118,36 +138,43 @@ class Admission:
             if waiter.granted:
                 self._release()
             else:
-                del self._queue[waiter]
+                self._leave(waiter)
             raise
         # A slot handed over in the same instant as the deadline is kept: the wait is over.
         if not waiter.granted:
-            del self._queue[waiter]
+            self._leave(waiter)
             self.rejections[QUEUE_TIMEOUT] += 1
             raise Rejected(errors.queue_timeout(s.queue_timeout_secs), QUEUE_TIMEOUT)
 
+    def _leave(self, waiter: _Waiter) -> None:
+        waiter.left = True
+        self._waiting -= 1
+
     def _release(self) -> None:
         """Hand the slot to the head of the queue, or free it. Never awaits."""
-        if self._queue:
-            waiter = next(iter(self._queue))
-            del self._queue[waiter]
-            waiter.granted = True
-            waiter.woken.set()
-        else:
-            self._in_flight -= 1
+        queue = self._queue
+        while queue:
+            waiter = heapq.heappop(queue)[2]
+            if not waiter.left:
+                self._waiting -= 1
+                waiter.granted = True
+                waiter.woken.set()
+                return
+        self._in_flight -= 1
 
 
 class Slot:
     """One admitted request's slot: taken on entry, released exactly once on exit."""
 
-    __slots__ = ("_admission", "_held")
+    __slots__ = ("_admission", "_held", "_priority")
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, priority: int) -> None:
         self._admission = admission
+        self._priority = priority
         self._held = False
 
     async def __aenter__(self) -> Slot:
-        await self._admission._acquire()
+        await self._admission._acquire(self._priority)
         self._held = True
         return self
 

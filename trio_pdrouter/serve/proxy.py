@@ -117,7 +117,7 @@ class Proxy:
             # Admission waits inside the request's scope: a client that leaves while queued
             # gives its place up at once.
             try:
-                async with self._admission.slot():
+                async with self._admission.slot(req.inf.priority):
                     req.admitted()
                     reply = await self._attempts(req)
             except Rejected as exc:

@@ -41,6 +41,8 @@ class Inference:
     stream: bool
     request_id: str
     key: RoutingKey
+    #: vLLM's ``priority`` (lower is sooner): the request's place in the admission queue.
+    priority: int = 0
 
 
 class OutcomeSink(Protocol):
