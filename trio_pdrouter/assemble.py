@@ -64,7 +64,7 @@ def build_app(
     is this process's own unless given (a worker of ``--workers N`` gives its machine ledger).
     """
     ledger = LoadLedger() if ledger is None else ledger
-    metrics = RouterMetrics()
+    metrics = RouterMetrics(pd=config.pd, attempts=config.retry.max_retries)
     fleet: Fleet
     limits = ModelLimits(client, lambda: serving(), api_key=config.upstream_api_key)
 
@@ -158,6 +158,8 @@ def build_app(
             fleet.add_at_start(url, role)
     fleet.catch_up()  # and then the runtime changes made before it started
     metrics.watch_ledger(ledger, fleet.endpoints())
+    stage_policies = {role: config.stage_policy(role) for role in config.servers()}
+    metrics.watch_fleet(ledger, fleet.endpoints, health.is_healthy, stage_policies)
 
     rate = config.admission.rate_limit_tokens_per_second
     bucket = None

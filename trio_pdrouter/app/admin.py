@@ -1,4 +1,5 @@
-"""The admin routes: health and readiness, loads, servers, models, metrics, the KV index.
+"""The admin routes: health and readiness, loads, servers, models, metrics, the KV index, the
+version and the effective configuration.
 
 ``POST /workers`` and ``DELETE /workers/{url}`` change the fleet (through
 :class:`~trio_pdrouter.fleet.Fleet` only); the others read what the router knows.
@@ -14,8 +15,10 @@ from urllib.parse import unquote
 
 import httpx
 import orjson
+import trio
 
-from ..config import RouterConfig
+from .. import __version__
+from ..config import RouterConfig, effective
 from ..endpoints import Role
 from ..fleet import DuplicateServer, EngineTruth, Fleet
 from ..http import Receive, Reply, Scope, Send, errors
@@ -32,6 +35,8 @@ log = logging.getLogger("trio_pdrouter.access")
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 WORKER_PREFIX = "/workers/"
+#: Seconds ``GET /version`` waits for each server's own ``/version``.
+VERSION_TIMEOUT = 2.0
 
 
 class AdminRoutes:
@@ -75,6 +80,8 @@ class AdminRoutes:
             "/v1/models": {"GET": self._models},
             "/metrics": {"GET": self._metrics_route},
             "/debug/kv-index": {"GET": self._kv_index},
+            "/version": {"GET": self._version},
+            "/admin/config": {"GET": self._effective_config},
         }
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -171,6 +178,36 @@ class AdminRoutes:
         await send_reply(
             send, Reply.json(orjson.dumps(payload), status=200 if not in_flight else 202)
         )
+
+    async def _version(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET /version``: the router's version, and each server's answer to vLLM's own
+        ``GET /version`` (``{"version": ...}``; null for one that did not answer in time).
+
+        vllm-router 0.1.17 has no route of its own there: in regular mode its fallback passes
+        the request to a worker (the client gets that engine's vLLM version), in PD mode it
+        answers 405. The engines' versions are under ``"engines"`` here, in every mode."""
+        urls = sorted({ep.url for ep in self._fleet.endpoints()})
+        engines: dict[str, str | None] = dict.fromkeys(urls)
+
+        async def ask(url: str) -> None:
+            try:
+                resp = await self._client.get(url + "/version", timeout=VERSION_TIMEOUT)
+                version = resp.json().get("version") if resp.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, AttributeError):
+                return
+            engines[url] = version if isinstance(version, str) else None
+
+        async with trio.open_nursery() as nursery:
+            for url in urls:
+                nursery.start_soon(ask, url)
+        body = {"name": "trio-pdrouter", "version": __version__, "engines": engines}
+        await send_reply(send, Reply.json(orjson.dumps(body)))
+
+    async def _effective_config(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET /admin/config``: every flag's effective value, secrets redacted
+        (:func:`trio_pdrouter.config.effective`)."""
+        body = {"version": __version__, "flags": effective(self._config)}
+        await send_reply(send, Reply.json(orjson.dumps(body)))
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The model list of the first upstream that answers; never a 500 for one that is down."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 from .cluster import ClusterSettings
 from .command_line import build_parser, parse_config
 from .discovery import DiscoverySettings, Selector
+from .effective import REDACTED, effective
 from .flags import ConfigError
 from .kv_events import KvEventSettings
 from .listening import ServerSettings, Timeouts
@@ -29,6 +30,7 @@ from .router import RouterConfig
 __all__ = [
     "LOAD_METRICS",
     "POLICY_NAMES",
+    "REDACTED",
     "AdmissionSettings",
     "BreakerSettings",
     "ClusterSettings",
@@ -43,5 +45,6 @@ __all__ = [
     "ServerSettings",
     "Timeouts",
     "build_parser",
+    "effective",
     "parse_config",
 ]

@@ -32,7 +32,7 @@ routes: POST /v1/completions, /v1/chat/completions, /v1/responses, /inference/v1
 (generation, streaming or not; split in PD mode); POST /v1/rerank, /rerank, /tokenize,
 /detokenize, /v1/embeddings, /pooling, /score, /v1/score, /classify (to one server); GET
 /v1/models, /health, /healthcheck, /liveness, /readiness, /get_loads (the load ledger), /workers,
-/metrics.
+/metrics, /version, /admin/config (the effective flags, secrets redacted).
 """
 
 

@@ -31,14 +31,17 @@ e.g. ``min_over_time(abs(trio_pdrouter_load_drift)[1m]) > 0``.
 from __future__ import annotations
 
 import contextlib
+import platform
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from ..endpoints import Endpoint
+from .. import __version__
+from ..endpoints import Endpoint, Role
 from ..http import Downstream, Receive, Reply, Scope, Send, answer_lifespan, errors
+from .vllm_router import VllmRouterMetrics
 
 if TYPE_CHECKING:
     from ..ledger import LoadLedger
@@ -75,13 +78,25 @@ BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 
 
 class RouterMetrics:
-    """Every metric of one router, in its own registry."""
+    """Every metric of one router, in its own registry: the ``trio_pdrouter_*`` families,
+    vllm-router's ``vllm_router_*`` ones (:attr:`vllm`, fed by the same hooks; ``pd`` and
+    ``attempts`` (``--retry-max-retries``) are what they need of the config), the process's
+    ``process_*`` metrics and ``trio_pdrouter_build_info``."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, pd: bool = False, attempts: int = 1) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._before_exposition: list[Callable[[], None]] = []
         r = self.registry
         p = PREFIX
+        ProcessCollector(registry=r)
+        self.build_info = Gauge(
+            p + "build_info",
+            "Always 1; the labels say which router this is (version) and on which Python.",
+            ["version", "python"],
+            registry=r,
+        )
+        self.build_info.labels(__version__, platform.python_version()).set(1)
+        self.vllm = VllmRouterMetrics(r, pd=pd, attempts=attempts)
         self.requests = Counter(
             p + "requests",
             "Inference requests answered, by route, HTTP status, streaming and outcome"
@@ -274,6 +289,20 @@ class RouterMetrics:
         refresh()
         self._before_exposition.append(refresh)
 
+    def watch_fleet(
+        self,
+        ledger: LoadLedger,
+        endpoints: Callable[[], list[Endpoint]],
+        healthy: Callable[[Endpoint], bool],
+        policies: dict[Role, str],
+    ) -> None:
+        """What the ``vllm_router_*`` families read of the fleet: the endpoints routed to now,
+        their load in ``ledger`` and their health (at every scrape), each stage's policy."""
+        for role, policy in policies.items():
+            self.vllm.policy_of(role, policy)
+        self.vllm.watch_load(ledger, endpoints, healthy)
+        self._before_exposition.append(self.vllm.refresh)
+
     def observe_request(self, rec: RequestRecord) -> None:
         """Account for one finished inference request."""
         stream = "true" if rec.stream else "false"
@@ -292,6 +321,7 @@ class RouterMetrics:
             self.rejections.labels(rec.rejection).inc()
         for stage, endpoint, kind in rec.upstream_errors:
             self.upstream_errors.labels(stage, endpoint, kind).inc()
+        self.vllm.observe_request(rec)
 
     def engine_seen(self, endpoint: str, running: int, waiting: int, drift: int) -> None:
         """One endpoint's scraped engine state and the drift computed from it."""
@@ -324,6 +354,7 @@ class RouterMetrics:
 
         The circuit breakers call it on every transition."""
         self.breaker.labels(endpoint).set(BREAKER_STATES[state])
+        self.vllm.breaker_state(endpoint, state)
 
     def health(self, endpoint: str, healthy: bool) -> None:
         """The health checker calls it when ``endpoint`` changes state."""
@@ -343,6 +374,7 @@ class RouterMetrics:
 
         ``cache_aware`` calls it for every decision."""
         self.policy_decisions.labels(stage, reason).inc()
+        self.vllm.policy_decision(stage, reason)
         if reason == "unbalanced":
             self.load_balance_events.labels(stage).inc()
 
