@@ -92,7 +92,7 @@ def pd_metrics() -> tuple[RouterMetrics, LoadLedger]:
 
 
 def test_pd_families_have_vllm_routers_names_types_and_labels() -> None:
-    m, ledger = pd_metrics()
+    m, _ = pd_metrics()
     m.observe_request(record("/v1/completions", PREFILL[0], DECODE[1], prefill_ms=20.0))
     failed = [("prefill", PREFILL[1].key, "status_503"), ("decode", DECODE[0].key, "reset")]
     m.observe_request(
@@ -208,7 +208,8 @@ async def scrape_vllm_router(
     url = f"http://127.0.0.1:{port}"
     argv = [str(program), "--host", "127.0.0.1", "--port", str(port), "--prometheus-port",
             str(metrics_port), "--policy", "cache_aware", *mode_args]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    quiet = subprocess.DEVNULL
+    proc = await trio.lowlevel.open_process(argv, stdout=quiet, stderr=quiet)
     try:
         async with httpx.AsyncClient(timeout=30) as client:
 
@@ -234,7 +235,7 @@ async def scrape_vllm_router(
             return (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
     finally:
         proc.terminate()
-        proc.wait(10)
+        await proc.wait()
 
 
 @pytest.mark.slow
