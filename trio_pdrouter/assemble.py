@@ -160,6 +160,9 @@ def build_app(
     metrics.watch_ledger(ledger, fleet.endpoints())
     stage_policies = {role: config.stage_policy(role) for role in config.servers()}
     metrics.watch_fleet(ledger, fleet.endpoints, health.is_healthy, stage_policies)
+    if isinstance(ledger, MachineLedger):
+        machine_table = ledger.table
+        metrics.watch_restarts(lambda: machine_table.restarts)
 
     rate = config.admission.rate_limit_tokens_per_second
     bucket = None

@@ -4,7 +4,8 @@ Rules of this module (the layout and the only code that reads or writes it):
 
 * One ``multiprocessing.shared_memory`` block holds a header, an endpoint table and the cells::
 
-      header   HEADER_CELLS int64: magic, rows, slots, columns, server changes logged, spare...
+      header   HEADER_CELLS int64: magic, rows, slots, columns, server changes logged, worker
+               restarts, spare...
       keys     slots x KEY_BYTES: the endpoint owning each slot ("role key", utf-8; empty = free)
       changes  LOG_ENTRIES x ENTRY_BYTES: the runtime server changes, in order (utf-8 text)
       cells    rows x slots x columns int64
@@ -41,7 +42,7 @@ from . import prefix_ring, route_ring
 
 MAGIC = 0x7472696F_6C656467  # "trioledg"
 HEADER_CELLS = 8
-_ROWS, _SLOTS, _COLUMNS, _GENERATION = 1, 2, 3, 4
+_ROWS, _SLOTS, _COLUMNS, _GENERATION, _RESTARTS = 1, 2, 3, 4, 5
 KEY_BYTES = 256
 DEFAULT_SLOTS = 1024
 ENTRY_BYTES = 512
@@ -210,6 +211,15 @@ class MachineTable:
     def generation(self) -> int:
         """How many server changes the log holds."""
         return int(self._header[_GENERATION])
+
+    @property
+    def restarts(self) -> int:
+        """Workers the supervisor restarted after they died (any worker reads it)."""
+        return int(self._header[_RESTARTS])
+
+    def count_restart(self) -> None:
+        """One more worker restarted: the supervisor's call, its only writer."""
+        self._header[_RESTARTS] += 1
 
     def append_change(self, change: str) -> int:
         """Log one server change; return the new generation. The caller holds the lock."""

@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
 
 from .. import __version__
 from ..endpoints import Endpoint, Role
@@ -97,6 +99,8 @@ class RouterMetrics:
         )
         self.build_info.labels(__version__, platform.python_version()).set(1)
         self.vllm = VllmRouterMetrics(r, pd=pd, attempts=attempts)
+        self._restarts = _Restarts()
+        r.register(self._restarts)
         self.requests = Counter(
             p + "requests",
             "Inference requests answered, by route, HTTP status, streaming and outcome"
@@ -180,6 +184,8 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        for reason in ("queue_full", "queue_timeout"):  # shown at 0 before the first
+            self.rejections.labels(reason)
         self.policy_decisions = Counter(
             p + "policy_decisions",
             "Routing decisions by stage and reason (cache_aware: cache_hit, cache_miss,"
@@ -301,7 +307,22 @@ class RouterMetrics:
         for role, policy in policies.items():
             self.vllm.policy_of(role, policy)
         self.vllm.watch_load(ledger, endpoints, healthy)
-        self._before_exposition.append(self.vllm.refresh)
+
+        def known_labels() -> None:
+            # Counters whose label sets are known show at 0 before their first event, so a
+            # rate or an alert over them has a series to read.
+            for ep in endpoints():
+                self.engine_scrape_errors.labels(ep.url)
+                if ep.role is Role.DECODE:
+                    self.stranded_kv_handoffs.labels(ep.key)
+                    self.stranded_kv_refused.labels(ep.key)
+
+        self._before_exposition.extend((self.vllm.refresh, known_labels))
+
+    def watch_restarts(self, restarts: Callable[[], int]) -> None:
+        """With ``--workers N``: ``trio_pdrouter_worker_restarts_total`` reads the machine's
+        count (every worker answers the same); a single process shows 0."""
+        self._restarts.read = restarts
 
     def observe_request(self, rec: RequestRecord) -> None:
         """Account for one finished inference request."""
@@ -402,6 +423,21 @@ class RouterMetrics:
         for refresh in self._before_exposition:
             refresh()
         return generate_latest(self.registry)
+
+
+class _Restarts(Collector):
+    """``trio_pdrouter_worker_restarts_total``, read at each scrape."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], int] = lambda: 0
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            PREFIX + "worker_restarts",
+            "Worker processes the supervisor restarted after they died (--workers N;"
+            " machine-wide, whichever worker answers); 0 for a single process.",
+            value=self.read(),
+        )
 
 
 def _remove(metric: Gauge, *labels: str) -> None:

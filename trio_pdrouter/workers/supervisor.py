@@ -156,6 +156,7 @@ class Supervisor:
                     " its log is above"
                 )
             log.warning("worker=%d exited restarting=true", row)
+            self._table.count_restart()
 
     async def _run_once(self, row: int, on_ready: Callable[[], None]) -> bool:
         """Run worker ``row`` until it exits; True if it became ready."""
