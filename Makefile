@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_SECONDS ?= 60
 BENCH_PROFILE ?= quick
 
-.PHONY: venv install lint test demo bench bench-full bench-typecheck bench-vllm-router profile clean
+.PHONY: venv install system-packages lint test demo bench bench-full bench-typecheck bench-vllm-router profile clean
 
 venv: $(BIN)/python
 
@@ -33,7 +33,13 @@ bench-vllm-router:
 	    $(VLLM_ROUTER_VENV)/bin/python -m pip install --quiet 'vllm-router==$(VLLM_ROUTER_VERSION)' ) || \
 	  echo "vllm-router could not be installed: its benchmark rows will be skipped"
 
-install: $(STAMP)
+# Debian packages the tests run: prometheus and promtool (tests/observe/test_prometheus_e2e.py).
+system-packages:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+	  ( apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus )
+
+install: $(STAMP) system-packages
 
 lint: install
 	$(BIN)/ruff check trio_pdrouter trio_pdrouter_sim demo tests benchmarks

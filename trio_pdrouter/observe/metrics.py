@@ -312,6 +312,8 @@ class RouterMetrics:
             # Counters whose label sets are known show at 0 before their first event, so a
             # rate or an alert over them has a series to read.
             for ep in endpoints():
+                self.breaker.labels(ep.key)  # 0, closed, until the first transition
+                self.vllm.cb_state.labels(ep.url)
                 self.engine_scrape_errors.labels(ep.url)
                 if ep.role is Role.DECODE:
                     self.stranded_kv_handoffs.labels(ep.key)
