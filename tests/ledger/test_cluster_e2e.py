@@ -75,6 +75,7 @@ def router_config(sims: Replicas, redis: RedisServer, replica: str, port: int = 
         policy="power_of_two",
         engine_metrics_interval=0,
         cluster=ClusterSettings(url=redis.url, sync_ms=SYNC_MS, replica_id=replica),
+        prometheus_listener=False,
     )
 
 

@@ -104,8 +104,8 @@ class VllmRouterMetrics:
       ``cb_outcomes_total{worker, outcome}`` (success, failure per leg),
       ``active_workers``;
     * from the ledger at each scrape, per ``{worker, rank}``: ``pd_prefill_occupancy``
-      (prefills in flight), ``pd_active_prefill_tokens`` (their prompt tokens, the router's
-      estimate), ``pd_unknown_prefill_requests`` (always 0: every prompt gets an estimate),
+      (prefills in flight), ``pd_active_prefill_tokens`` (their uncached prompt tokens, the
+      router's estimate), ``pd_unknown_prefill_requests`` (always 0: every prompt gets an estimate),
       ``pd_pending_decode_requests`` (decode slots chosen whose prefill still runs),
       ``pd_active_decode_requests`` (decode legs running); regular mode:
       ``running_requests{worker}``;
@@ -210,7 +210,7 @@ class VllmRouterMetrics:
         )
         self.active_prefill_tokens = Gauge(
             p + "pd_active_prefill_tokens",
-            "Prompt tokens of the prefills in flight (the router's estimate).",
+            "Uncached prompt tokens of the prefills in flight (the router's estimate).",
             rank,
             registry=r,
         )
