@@ -167,7 +167,9 @@ async def _run(
     if kube is not None:
         await nursery.start(follow_pods, config, kube, app.fleet, app.metrics.registry, nursery)
     metrics_url = None
-    if metrics_fd is None:  # a single process binds it here (hypercorn closes it at the end)
+    if metrics_fd is None and not isinstance(ledger, MachineLedger):
+        # a single process binds it here (hypercorn closes it at the end); a worker serves the
+        # supervisor's socket or none
         sock = metrics_socket(config, config.server.backlog)
         metrics_fd = None if sock is None else sock.detach()
     if metrics_fd is not None:
