@@ -6,8 +6,9 @@ STAMP := $(VENV)/.installed
 DEMO_SECONDS ?= 60
 BENCH_PROFILE ?= quick
 
-.PHONY: venv install system-tools lint docs docs-reference test demo dist wheelhouse image \
-	base-image image-offline bench bench-full bench-typecheck bench-vllm-router profile clean
+.PHONY: venv install system-packages system-tools lint docs docs-reference test demo dist \
+	wheelhouse image base-image image-offline bench bench-full bench-typecheck bench-vllm-router \
+	profile clean
 
 venv: $(BIN)/python
 
@@ -33,6 +34,12 @@ bench-vllm-router:
 	  ( $(PYTHON) -m venv $(VLLM_ROUTER_VENV) && \
 	    $(VLLM_ROUTER_VENV)/bin/python -m pip install --quiet 'vllm-router==$(VLLM_ROUTER_VERSION)' ) || \
 	  echo "vllm-router could not be installed: its benchmark rows will be skipped"
+
+# Debian packages the tests run: prometheus and promtool (tests/observe/test_prometheus_e2e.py).
+system-packages:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+	  ( apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus )
 
 install: $(STAMP)
 
@@ -65,7 +72,7 @@ docs: install
 docs-reference: install
 	$(BIN)/python -m reference
 
-test: lint docs system-tools
+test: lint docs system-tools system-packages
 	$(BIN)/pytest
 
 demo: install

@@ -204,6 +204,7 @@ async def soak(args: SoakSettings) -> dict[str, Any]:
             prefill_urls=(prefill.url,),
             decode_urls=tuple(d.url for d in decode),
             policy="power_of_two",
+            prometheus_listener=False,
             server=ServerSettings(
                 host="127.0.0.1", port=0, keep_alive_timeout=args.keep_alive_timeout
             ),

@@ -191,6 +191,7 @@ async def run_demo(seconds: float, concurrency: int, interactive: bool, stats: L
             decode_urls=(decode.url,),
             dp_size=4,
             policy="cache_aware",
+            prometheus_listener=False,  # /metrics on the demo's own port is enough
             policy_settings=PolicySettings(
                 cache_threshold=0.5, balance_abs_threshold=32, balance_rel_threshold=1.1
             ),

@@ -123,6 +123,8 @@ async def start_cluster(
     else:
         router.setdefault("worker_urls", tuple(s.url for s in decode))
     router.setdefault("policy", "round_robin")
+    # vllm-router's default metrics port is the machine's: a test opens one only when asked.
+    router.setdefault("prometheus_listener", "prometheus_port" in router)
     settings = ServerSettings(host="127.0.0.1", port=0, **(listening or {}))
     config = RouterConfig(pd=pd, server=settings, **router)
     running: RunningRouter = await nursery.start(run_router, config)

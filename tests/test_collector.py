@@ -58,6 +58,7 @@ async def test_a_router_settles_its_heap_once_serving_only_when_asked(
             pd=False,
             worker_urls=(sim.url,),
             server=ServerSettings(host="127.0.0.1", port=0),
+            prometheus_listener=False,
         )
         assert calls == []
         await nursery.start(partial(server.run_router, config, settle_heap=settle_heap))

@@ -29,6 +29,7 @@ async def start_router_process(
         decode,
         "--port",
         "0",
+        "--no-prometheus-listener",
         "--policy",
         "round_robin",
         "--graceful-timeout-secs",

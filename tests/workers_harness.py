@@ -70,6 +70,7 @@ async def start_supervisor(nursery: trio.Nursery, workers: int, args: Sequence[s
         str(workers),
         "--port",
         "0",
+        "--no-prometheus-listener",
         "--log-level",
         "info",  # the supervisor's "listening=" and "ready" lines
         *args,

@@ -64,7 +64,7 @@ def build_app(
     is this process's own unless given (a worker of ``--workers N`` gives its machine ledger).
     """
     ledger = LoadLedger() if ledger is None else ledger
-    metrics = RouterMetrics()
+    metrics = RouterMetrics(pd=config.pd, attempts=config.retry.max_retries)
     fleet: Fleet
     limits = ModelLimits(client, lambda: serving(), api_key=config.upstream_api_key)
 
@@ -160,6 +160,11 @@ def build_app(
     if isinstance(ledger, MachineLedger):  # what a dead predecessor held and nobody uses now
         ledger.table.keep_only(ledger.row)
     metrics.watch_ledger(ledger, fleet.endpoints())
+    stage_policies = {role: config.stage_policy(role) for role in config.servers()}
+    metrics.watch_fleet(ledger, fleet.endpoints, health.is_healthy, stage_policies)
+    if isinstance(ledger, MachineLedger):
+        machine_table = ledger.table
+        metrics.watch_restarts(lambda: machine_table.restarts)
 
     rate = config.admission.rate_limit_tokens_per_second
     bucket = None

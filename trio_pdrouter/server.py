@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 from typing import cast
 
@@ -166,9 +167,14 @@ async def _run(
     if kube is not None:
         await nursery.start(follow_pods, config, kube, app.fleet, app.metrics.registry, nursery)
     metrics_url = None
-    if config.prometheus_port is not None:
+    if metrics_fd is None and not isinstance(ledger, MachineLedger):
+        # a single process binds it here (hypercorn closes it at the end); a worker serves the
+        # supervisor's socket or none
+        sock = metrics_socket(config, config.server.backlog)
+        metrics_fd = None if sock is None else sock.detach()
+    if metrics_fd is not None:
         metrics_binds: list[str] = await nursery.start(
-            _serve_metrics, config, config.prometheus_port, metrics_fd, app.metrics
+            _serve_metrics, config, metrics_fd, app.metrics
         )
         metrics_url = metrics_binds[0]
 
@@ -213,22 +219,47 @@ async def _end_requests_at(app: RouterApp, deadline: float, exit_by_deadline: bo
     os._exit(0)
 
 
+def metrics_socket(config: RouterConfig, backlog: int) -> socket.socket | None:
+    """The separate ``/metrics`` listener's socket, bound and listening (see
+    :meth:`RouterConfig.metrics_listener`): None when it is turned off, or when vllm-router's
+    default port is taken (a warning says so). A port given that cannot be bound raises
+    ``OSError`` naming it."""
+    where = config.metrics_listener()
+    if where is None:
+        return None
+    host, port, required = where
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError as exc:
+        sock.close()
+        if required:
+            message = f"--prometheus-port: cannot listen on {host}:{port}: {exc.strerror}"
+            raise OSError(exc.errno, message) from None
+        log.warning(
+            "metrics listener not opened: %s:%d: %s (give --prometheus-port to choose one;"
+            " /metrics is on the main port)",
+            host,
+            port,
+            exc.strerror or exc,
+        )
+        return None
+    sock.set_inheritable(True)
+    return sock
+
+
 async def _serve_metrics(
     config: RouterConfig,
-    port: int,
-    fd: int | None,
+    fd: int,
     metrics: RouterMetrics,
     task_status: trio.TaskStatus[list[str]],
 ) -> None:
-    """The separate ``/metrics`` listener on ``--prometheus-host`` (default ``--host``)."""
-    server = attrs.evolve(
-        config.server,
-        host=config.prometheus_host or config.server.host,
-        port=port,
-    )
-    hc = hypercorn_config(attrs.evolve(config, server=server))
-    if fd is not None:
-        hc.bind = [f"fd://{fd}"]
+    """The separate ``/metrics`` listener on the listening socket ``fd``."""
+    hc = hypercorn_config(config)
+    hc.bind = [f"fd://{fd}"]
     await serve(cast(Framework, MetricsApp(metrics)), hc, task_status=task_status)
 
 

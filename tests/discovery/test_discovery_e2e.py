@@ -98,7 +98,8 @@ async def rig(nursery: trio.Nursery, tmp_path: pathlib.Path) -> AsyncIterator[Ri
     await nursery.start(serve_fake, fake)
     port = free_port("127.0.0.11")
     argv = [
-        "--host", "127.0.0.1", "--port", "0", "--service-discovery", "--selector", "app=vllm",
+        "--host", "127.0.0.1", "--port", "0", "--no-prometheus-listener",
+        "--service-discovery", "--selector", "app=vllm",
         "--service-discovery-port", str(port), "--service-discovery-namespace", "default",
         "--service-discovery-resync-secs", str(RESYNC), "--kubeconfig",
         str(kubeconfig(tmp_path / "config", fake.url)), "--health-check-interval-secs", "0.2",

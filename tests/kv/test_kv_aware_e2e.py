@@ -49,6 +49,7 @@ async def rig(n: int = 2, sim: SimConfig = SIM, **router: Any) -> AsyncIterator[
         config = RouterConfig(
             worker_urls=tuple(s.url for s in sims),
             server=ServerSettings(host="127.0.0.1", port=0),
+            prometheus_listener=False,
             policy="kv_aware",
             admin_from_loopback=True,  # /debug/kv-index
             kv_events=KvEventSettings(

@@ -75,6 +75,7 @@ def router_config(sims: Replicas, redis: RedisServer, replica: str, port: int = 
         policy="power_of_two",
         engine_metrics_interval=0,
         cluster=ClusterSettings(url=redis.url, sync_ms=SYNC_MS, replica_id=replica),
+        prometheus_listener=False,
     )
 
 
@@ -177,7 +178,8 @@ async def router_process(config: RouterConfig) -> AsyncIterator[trio.Process]:
     """``python -m trio_pdrouter`` with ``config``'s flags, ready once ``/health`` answers."""
     c = config.cluster
     argv = [sys.executable, "-m", "trio_pdrouter", "--host", "127.0.0.1"]
-    argv += ["--port", str(config.server.port), "--vllm-pd-disaggregation"]
+    argv += ["--port", str(config.server.port), "--no-prometheus-listener"]
+    argv += ["--vllm-pd-disaggregation"]
     for url in config.prefill_urls:
         argv += ["--prefill", url]
     for url in config.decode_urls:

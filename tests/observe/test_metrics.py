@@ -3,7 +3,11 @@ traffic (in memory and against real simulators)."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+
 import httpx
+import pytest
 import trio
 import trio.testing
 from prometheus_client import REGISTRY
@@ -12,9 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.cluster import start_cluster
 from tests.harness import call, json_response, make_app, pd_config
 from tests.serve.test_integration_pd import CHAT, COMPLETION
+from trio_pdrouter.config import ConfigError, RouterConfig
 from trio_pdrouter.endpoints import Endpoint, Role
 from trio_pdrouter.ledger import LoadLedger
 from trio_pdrouter.observe import CONTENT_TYPE, RequestRecord, RouterMetrics
+from trio_pdrouter.server import metrics_socket
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -227,3 +233,36 @@ async def test_separate_metrics_listener_serves_only_metrics() -> None:
         assert (await c.client.get(metrics_url + "/get_loads")).status_code == 404
         assert (await c.client.post(metrics_url + "/metrics")).status_code == 405
         nursery.cancel_scope.cancel()
+
+
+def test_the_default_listener_is_vllm_routers_port_and_gives_way_when_taken(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = RouterConfig(worker_urls=("http://w:1",))
+    assert config.metrics_listener() == ("127.0.0.1", 29000, False)
+    holder = socket.socket()
+    with contextlib.suppress(OSError):  # held already by another process: just as taken
+        holder.bind(("127.0.0.1", 29000))
+        holder.listen()
+    try:
+        assert metrics_socket(config, 16) is None
+        assert "metrics listener not opened: 127.0.0.1:29000" in caplog.text
+    finally:
+        holder.close()
+
+
+def test_a_given_metrics_port_must_open_and_the_listener_can_be_turned_off() -> None:
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        config = RouterConfig(worker_urls=("http://w:1",), prometheus_port=port)
+        with pytest.raises(OSError, match=f"--prometheus-port: cannot listen on 127.0.0.1:{port}"):
+            metrics_socket(config, 16)
+    finally:
+        holder.close()
+    off = RouterConfig(worker_urls=("http://w:1",), prometheus_listener=False)
+    assert off.metrics_listener() is None and metrics_socket(off, 16) is None
+    with pytest.raises(ConfigError, match="--no-prometheus-listener"):
+        RouterConfig(worker_urls=("http://w:1",), prometheus_port=1, prometheus_listener=False)

@@ -190,6 +190,9 @@ async def test_a_killed_worker_loses_its_charges_and_is_replaced_others_untouche
             for _ in range(4):
                 resp = await client.post(sup.url + "/v1/completions", json={"prompt": "x"})
                 assert resp.status_code == 200
+                # the machine's restart count, whichever worker answers
+                text = (await client.get(sup.url + "/metrics")).text
+                assert "\ntrio_pdrouter_worker_restarts_total 1.0\n" in text
         assert await stop_supervisor(sup) == 0
         nursery.cancel_scope.cancel()
 

@@ -1,4 +1,5 @@
-"""The admin routes: health and readiness, loads, servers, models, metrics, the KV index.
+"""The admin routes: health and readiness, loads, servers, models, metrics, the KV index, the
+version and the effective configuration.
 
 ``POST /workers`` and ``DELETE /workers/{url}`` change the fleet (through
 :class:`~trio_pdrouter.fleet.Fleet` only); the others read what the router knows.
@@ -14,8 +15,10 @@ from urllib.parse import parse_qs, unquote
 
 import httpx
 import orjson
+import trio
 
-from ..config import RouterConfig
+from .. import __version__
+from ..config import RouterConfig, effective
 from ..endpoints import Role
 from ..fleet import DuplicateServer, EngineTruth, Fleet, FleetFull
 from ..http import Receive, Reply, Scope, Send, errors
@@ -32,6 +35,8 @@ log = logging.getLogger("trio_pdrouter.access")
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 WORKER_PREFIX = "/workers/"
+#: Seconds ``GET /version`` waits for each server's own ``/version``.
+VERSION_TIMEOUT = 2.0
 
 
 class AdminRoutes:
@@ -75,6 +80,8 @@ class AdminRoutes:
             "/v1/models": {"GET": self._models},
             "/metrics": {"GET": self._metrics_route},
             "/debug/kv-index": {"GET": self._kv_index},
+            "/version": {"GET": self._version},
+            "/admin/config": {"GET": self._effective_config},
         }
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -191,6 +198,46 @@ class AdminRoutes:
         await send_reply(
             send, Reply.json(orjson.dumps(payload), status=200 if not in_flight else 202)
         )
+
+    async def _version(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET /version``: the router's version, and the versions the servers give at vLLM's
+        own ``GET /version`` (``{"version": ...}``), each with how many servers run it, and how
+        many did not answer in time. No server is named: clients learn no address here.
+
+        vllm-router 0.1.17 has no route of its own there: in regular mode its fallback passes
+        the request to a worker (the client gets that engine's vLLM version), in PD mode it
+        answers 405."""
+        urls = sorted({ep.url for ep in self._fleet.endpoints()})
+        versions: dict[str, int] = {}
+        unanswered = len(urls)
+
+        async def ask(url: str) -> None:
+            nonlocal unanswered
+            try:
+                resp = await self._client.get(url + "/version", timeout=VERSION_TIMEOUT)
+                version = resp.json().get("version") if resp.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, AttributeError):
+                return
+            if isinstance(version, str):
+                versions[version] = versions.get(version, 0) + 1
+                unanswered -= 1
+
+        async with trio.open_nursery() as nursery:
+            for url in urls:
+                nursery.start_soon(ask, url)
+        body = {
+            "name": "trio-pdrouter",
+            "version": __version__,
+            "engine_versions": dict(sorted(versions.items())),
+            "engines_unanswered": unanswered,
+        }
+        await send_reply(send, Reply.json(orjson.dumps(body)))
+
+    async def _effective_config(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET /admin/config``: every flag's effective value, secrets redacted
+        (:func:`trio_pdrouter.config.effective`)."""
+        body = {"version": __version__, "flags": effective(self._config)}
+        await send_reply(send, Reply.json(orjson.dumps(body)))
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The model list of the first upstream that answers; never a 500 for one that is down."""

@@ -6,8 +6,8 @@ keys, request smuggling. Then the inference routes (:mod:`.inference`) or the ad
 
 Two keys, two audiences. ``--api-key`` is the clients': every route but the open ones
 (:data:`OPEN_ROUTES`) needs it. The routes that change the router — ``POST /workers``, ``DELETE
-/workers/...`` — and ``/debug/*`` need ``--admin-api-key``'s key instead (the clients' key never
-opens them); without an admin key they are off (403), unless ``--admin-from-loopback`` lets a peer
+/workers/...`` — and those that show its insides, ``/admin/*`` and ``/debug/*``, need
+``--admin-api-key``'s key instead (the clients' key never opens them); without an admin key they are off (403), unless ``--admin-from-loopback`` lets a peer
 on 127.0.0.0/8 or ::1 in (the TCP peer: a proxy on the same host counts as loopback).
 """
 
@@ -117,7 +117,7 @@ class RouterApp:
         key = self._config.api_key
         # Before the route is looked up: without the key, every route answers 401 alike, so
         # none can be told apart (enumerated) by its 404 or 405.
-        if _changes_the_router(scope["method"], path):
+        if _admin_only(scope["method"], path):
             refusal = self._admin_refusal(scope)
             if refusal is not None:
                 await send_reply(send, refusal)
@@ -158,7 +158,7 @@ class RouterApp:
             return Reply.error(errors.unauthorized("missing or invalid admin API key"), CHALLENGE)
         return Reply.error(
             errors.forbidden(
-                "the routes that change the router are off: start it with --admin-api-key"
+                "the admin routes are off: start the router with --admin-api-key"
                 " (or --admin-from-loopback)"
             )
         )
@@ -178,9 +178,9 @@ def _head_size(scope: Scope) -> int:
     return size
 
 
-def _changes_the_router(method: str, path: str) -> bool:
+def _admin_only(method: str, path: str) -> bool:
     """An admin route (module doc): adds or removes servers, or shows the router's insides."""
-    if path.startswith("/debug/"):
+    if path.startswith(("/debug/", "/admin/")):
         return True
     return method in ("POST", "DELETE") and (path == "/workers" or path.startswith(WORKER_PREFIX))
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from .cluster import ClusterSettings
 from .command_line import build_parser, parse_config, shown_default
 from .discovery import DiscoverySettings, Selector
+from .effective import REDACTED, effective
 from .flags import ConfigError
 from .kv_events import KvEventSettings
 from .listening import ServerSettings, Timeouts
@@ -30,6 +31,7 @@ from .sizes import byte_size, show_size
 __all__ = [
     "LOAD_METRICS",
     "POLICY_NAMES",
+    "REDACTED",
     "AdmissionSettings",
     "BreakerSettings",
     "ClusterSettings",
@@ -45,6 +47,7 @@ __all__ = [
     "Timeouts",
     "build_parser",
     "byte_size",
+    "effective",
     "parse_config",
     "show_size",
     "shown_default",

@@ -35,6 +35,9 @@ __all__ = ["RouterConfig"]
 KV_CONNECTORS = ("nixl", "p2p_nccl")
 TRANSPORTS = ("h11", "httpx")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+#: vllm-router's metrics listener when no --prometheus-host/--prometheus-port is given.
+METRICS_HOST = "127.0.0.1"
+METRICS_PORT = 29000
 #: vllm-router's policies that trio-pdrouter does not have, with the reason and the alternative.
 REFUSED_POLICIES = {"sticky_least_loaded": STICKY_LEAST_LOADED}
 
@@ -393,12 +396,12 @@ class RouterConfig:
             "also write the log to <dir>/trio-pdrouter.<YYYY-MM-DD>, a file per UTC day",
         ),
     )
-    prometheus_host: str | None = setting(
-        None,
+    prometheus_host: str = setting(
+        METRICS_HOST,
         Flag(
             "--prometheus-host",
             Group.OBSERVABILITY,
-            "also serve /metrics on a separate listener here",
+            "address of the separate /metrics listener (vllm-router's default)",
         ),
     )
     prometheus_port: int | None = setting(
@@ -406,8 +409,21 @@ class RouterConfig:
         Flag(
             "--prometheus-port",
             Group.OBSERVABILITY,
-            "port of the separate /metrics listener",
+            f"port of the separate /metrics listener (0: any free port). Not given:"
+            f" {METRICS_PORT}, vllm-router's default, opened when free (a warning says so when"
+            f" not); given: the router does not start without it",
             type=int,
+        ),
+        check=must(lambda p: 0 <= p <= 65535, "must be a port number (0-65535)"),
+    )
+    prometheus_listener: bool = setting(
+        True,
+        Flag(
+            "--prometheus-listener",
+            Group.OBSERVABILITY,
+            "open the separate /metrics listener (--no-prometheus-listener: /metrics on the"
+            " main port only)",
+            action=argparse.BooleanOptionalAction,
         ),
     )
     #: Seconds between scrapes of each upstream's ``/metrics`` (engine truth); 0 = off.
@@ -431,8 +447,11 @@ class RouterConfig:
 
     def __attrs_post_init__(self) -> None:
         """The checks that involve several fields: which upstreams the mode needs (a role's
-        servers come from the command line, or from discovery with that role's selector), and
-        the command line's servers inside --allowed-upstream-networks."""
+        servers come from the command line, or from discovery with that role's selector), the
+        command line's servers inside --allowed-upstream-networks, and a metrics port given
+        with the listener turned off."""
+        if self.prometheus_port is not None and not self.prometheus_listener:
+            raise ConfigError("--prometheus-port cannot be combined with --no-prometheus-listener")
         policy = self.upstream_policy()
         for urls in (self.prefill_urls, self.decode_urls, self.worker_urls):
             for url in urls:
@@ -463,6 +482,15 @@ class RouterConfig:
         """Which upstream addresses may be added (``--allowed-upstream-networks``)."""
         nets = self.allowed_upstream_networks
         return UpstreamPolicy(tuple(ipaddress.ip_network(net, strict=False) for net in nets))
+
+    def metrics_listener(self) -> tuple[str, int, bool] | None:
+        """Where the separate ``/metrics`` listener goes: host, port and whether it must open
+        (a port given); None with ``--no-prometheus-listener``."""
+        if self.prometheus_port is not None:
+            return self.prometheus_host, self.prometheus_port, True
+        if not self.prometheus_listener:
+            return None
+        return self.prometheus_host, METRICS_PORT, False
 
     def stage_policy(self, role: Role) -> str:
         if role is Role.PREFILL and self.prefill_policy:

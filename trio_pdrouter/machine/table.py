@@ -5,7 +5,7 @@ Rules of this module (the layout and the only code that reads or writes it):
 * One ``multiprocessing.shared_memory`` block holds a header, an endpoint table and the cells::
 
       header   HEADER_CELLS int64: magic, rows, slots, columns, generation, base, snapshot
-               length, log entries
+               length, log entries, worker restarts, spare...
       keys     slots x KEY_BYTES: the endpoint owning each slot ("role key", utf-8; empty = free)
       changes  log entries x ENTRY_BYTES: the runtime server changes (utf-8 text)
       cells    rows x slots x columns int64
@@ -56,8 +56,8 @@ import attrs
 from . import prefix_ring, route_ring
 
 MAGIC = 0x7472696F_6C656467  # "trioledg"
-HEADER_CELLS = 8
-_ROWS, _SLOTS, _COLUMNS, _GENERATION, _BASE, _SNAPSHOT, _ENTRIES = 1, 2, 3, 4, 5, 6, 7
+HEADER_CELLS = 16
+_ROWS, _SLOTS, _COLUMNS, _GENERATION, _BASE, _SNAPSHOT, _ENTRIES, _RESTARTS = range(1, 9)
 KEY_BYTES = 256
 DEFAULT_SLOTS = 1024
 ENTRY_BYTES = 512
@@ -331,6 +331,15 @@ class MachineTable:
         header = self._header
         used = header[_SNAPSHOT] + header[_GENERATION] - header[_BASE]
         return int(self.log_entries - used)
+
+    @property
+    def restarts(self) -> int:
+        """Workers the supervisor restarted after they died (any worker reads it)."""
+        return int(self._header[_RESTARTS])
+
+    def count_restart(self) -> None:
+        """One more worker restarted: the supervisor's call, its only writer."""
+        self._header[_RESTARTS] += 1
 
     def append_change(self, change: str) -> int:
         """Log one server change; return the new generation. The caller holds the lock."""

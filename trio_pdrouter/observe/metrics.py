@@ -31,14 +31,19 @@ e.g. ``min_over_time(abs(trio_pdrouter_load_drift)[1m]) > 0``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import platform
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
 
-from ..endpoints import Endpoint
+from .. import __version__
+from ..endpoints import Endpoint, Role
 from ..http import Downstream, Receive, Reply, Scope, Send, answer_lifespan, errors
+from .vllm_router import VllmRouterMetrics
 
 if TYPE_CHECKING:
     from ..ledger import LoadLedger
@@ -75,13 +80,27 @@ BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 
 
 class RouterMetrics:
-    """Every metric of one router, in its own registry."""
+    """Every metric of one router, in its own registry: the ``trio_pdrouter_*`` families,
+    vllm-router's ``vllm_router_*`` ones (:attr:`vllm`, fed by the same hooks; ``pd`` and
+    ``attempts`` (``--retry-max-retries``) are what they need of the config), the process's
+    ``process_*`` metrics and ``trio_pdrouter_build_info``."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, pd: bool = False, attempts: int = 1) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._before_exposition: list[Callable[[], None]] = []
         r = self.registry
         p = PREFIX
+        ProcessCollector(registry=r)
+        self.build_info = Gauge(
+            p + "build_info",
+            "Always 1; the labels say which router this is (version) and on which Python.",
+            ["version", "python"],
+            registry=r,
+        )
+        self.build_info.labels(__version__, platform.python_version()).set(1)
+        self.vllm = VllmRouterMetrics(r, pd=pd, attempts=attempts)
+        self._restarts = _Restarts()
+        r.register(self._restarts)
         self.requests = Counter(
             p + "requests",
             "Inference requests answered, by route, HTTP status, streaming and outcome"
@@ -165,6 +184,8 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        for reason in ("queue_full", "queue_timeout"):  # shown at 0 before the first
+            self.rejections.labels(reason)
         self.policy_decisions = Counter(
             p + "policy_decisions",
             "Routing decisions by stage and reason (cache_aware: cache_hit, cache_miss,"
@@ -274,6 +295,37 @@ class RouterMetrics:
         refresh()
         self._before_exposition.append(refresh)
 
+    def watch_fleet(
+        self,
+        ledger: LoadLedger,
+        endpoints: Callable[[], list[Endpoint]],
+        healthy: Callable[[Endpoint], bool],
+        policies: dict[Role, str],
+    ) -> None:
+        """What the ``vllm_router_*`` families read of the fleet: the endpoints routed to now,
+        their load in ``ledger`` and their health (at every scrape), each stage's policy."""
+        for role, policy in policies.items():
+            self.vllm.policy_of(role, policy)
+        self.vllm.watch_load(ledger, endpoints, healthy)
+
+        def known_labels() -> None:
+            # Counters whose label sets are known show at 0 before their first event, so a
+            # rate or an alert over them has a series to read.
+            for ep in endpoints():
+                self.breaker.labels(ep.key)  # 0, closed, until the first transition
+                self.vllm.cb_state.labels(ep.url)
+                self.engine_scrape_errors.labels(ep.url)
+                if ep.role is Role.DECODE:
+                    self.stranded_kv_handoffs.labels(ep.key)
+                    self.stranded_kv_refused.labels(ep.key)
+
+        self._before_exposition.extend((self.vllm.refresh, known_labels))
+
+    def watch_restarts(self, restarts: Callable[[], int]) -> None:
+        """With ``--workers N``: ``trio_pdrouter_worker_restarts_total`` reads the machine's
+        count (every worker answers the same); a single process shows 0."""
+        self._restarts.read = restarts
+
     def observe_request(self, rec: RequestRecord) -> None:
         """Account for one finished inference request."""
         stream = "true" if rec.stream else "false"
@@ -292,6 +344,7 @@ class RouterMetrics:
             self.rejections.labels(rec.rejection).inc()
         for stage, endpoint, kind in rec.upstream_errors:
             self.upstream_errors.labels(stage, endpoint, kind).inc()
+        self.vllm.observe_request(rec)
 
     def engine_seen(self, endpoint: str, running: int, waiting: int, drift: int) -> None:
         """One endpoint's scraped engine state and the drift computed from it."""
@@ -324,6 +377,7 @@ class RouterMetrics:
 
         The circuit breakers call it on every transition."""
         self.breaker.labels(endpoint).set(BREAKER_STATES[state])
+        self.vllm.breaker_state(endpoint, state)
 
     def health(self, endpoint: str, healthy: bool) -> None:
         """The health checker calls it when ``endpoint`` changes state."""
@@ -343,6 +397,7 @@ class RouterMetrics:
 
         ``cache_aware`` calls it for every decision."""
         self.policy_decisions.labels(stage, reason).inc()
+        self.vllm.policy_decision(stage, reason)
         if reason == "unbalanced":
             self.load_balance_events.labels(stage).inc()
 
@@ -370,6 +425,21 @@ class RouterMetrics:
         for refresh in self._before_exposition:
             refresh()
         return generate_latest(self.registry)
+
+
+class _Restarts(Collector):
+    """``trio_pdrouter_worker_restarts_total``, read at each scrape."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], int] = lambda: 0
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            PREFIX + "worker_restarts",
+            "Worker processes the supervisor restarted after they died (--workers N;"
+            " machine-wide, whichever worker answers); 0 for a single process.",
+            value=self.read(),
+        )
 
 
 def _remove(metric: Gauge, *labels: str) -> None:

@@ -36,6 +36,7 @@ import trio
 from ..config import RouterConfig
 from ..kv import KvFanout, sources_for
 from ..machine import DEFAULT_LOG_ENTRIES, DEFAULT_SLOTS, MachineTable
+from ..server import metrics_socket
 from .worker import READY, WorkerCommand, worker_command
 
 log = logging.getLogger("trio_pdrouter.supervisor")
@@ -89,12 +90,8 @@ class Supervisor:
         self._sockets = listening_sockets(
             s.host, s.port, s.backlog, s.workers, reuseport=s.worker_sockets == "reuseport"
         )
-        self._metrics_socket = None
-        if config.prometheus_port is not None:  # one socket: any worker answers machine-wide
-            host = config.prometheus_host or s.host
-            (self._metrics_socket,) = listening_sockets(
-                host, config.prometheus_port, s.backlog, 1, reuseport=False
-            )
+        # One socket, any worker answers (each with its own counters: see docs/monitoring.md).
+        self._metrics_socket = metrics_socket(config, s.backlog)
         self._stopping = False
         self._procs: dict[int, trio.Process] = {}
         self.url = _url(self._sockets[0])
@@ -164,6 +161,7 @@ class Supervisor:
                     " its log is above"
                 )
             log.warning("worker=%d exited restarting=true", row)
+            self._table.count_restart()
 
     async def _run_once(self, row: int, on_ready: Callable[[], None]) -> bool:
         """Run worker ``row`` until it exits; True if it became ready."""
