@@ -26,6 +26,7 @@ from .fleet import (
     MachineServers,
     MachineVerdicts,
     ModelLimits,
+    StartupStatus,
 )
 from .http import LegClient, stream_timeout
 from .kv import KvCollector, kv_events_for
@@ -56,12 +57,16 @@ def build_app(
     background: trio.Nursery,
     *,
     ledger: LoadLedger | None = None,
+    starting: bool = False,
 ) -> RouterApp:
     """The whole router as an ASGI app over ``client``; tests pass an in-memory transport.
 
     ``background`` runs work that outlives a request (the stranded-KV reclaim). Health probes,
     the engine-truth scrape and policy maintenance are started by :func:`run_router`. ``ledger``
     is this process's own unless given (a worker of ``--workers N`` gives its machine ledger).
+    ``starting``: the servers of the command line are unknown, so not routable, until a probe
+    passes (:func:`~trio_pdrouter.server.run_router` then waits for them through
+    ``app.startup``); else they take traffic at once.
     """
     ledger = LoadLedger() if ledger is None else ledger
     metrics = RouterMetrics()
@@ -155,7 +160,8 @@ def build_app(
     )
     for role, urls in config.servers().items():
         for url in urls:
-            fleet.add_at_start(url, role)
+            fleet.add_at_start(url, role, serving=not starting)
+    startup = StartupStatus(on_healthy=health.confirm)
     fleet.catch_up()  # and then the runtime changes made before it started
     metrics.watch_ledger(ledger, fleet.endpoints())
 
@@ -247,6 +253,7 @@ def build_app(
         engine_truth=truth,
         peers=peers,
         kv_events=kv,
+        startup=startup,
     )
     return RouterApp(
         config,
@@ -263,4 +270,5 @@ def build_app(
         context=context,
         inference=inference,
         admin=admin,
+        startup=startup,
     )

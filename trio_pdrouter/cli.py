@@ -41,6 +41,7 @@ def parse_config(argv: Sequence[str] | None = None) -> RouterConfig:
 def main(argv: Sequence[str] | None = None) -> None:
     from .discovery import NoCredentials
     from .fleet import StartupTimeout
+    from .http import BindError
     from .server import run_router, wait_for_signal
     from .workers import WorkersKeepDying, supervise
 
@@ -59,15 +60,25 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
         except (StartupTimeout, NoCredentials) as exc:
             sys.exit(f"trio-pdrouter: {exc}")
+        except BindError as exc:
+            _exit_bad_setting(exc)
         return
     failure = ""
     try:
         trio.run(lambda: supervise(config, argv, wait_for_signal))
+    except* BindError as group:
+        _exit_bad_setting(_leaves(group)[0])
     except* WorkersKeepDying as group:
         failure = "; ".join(str(exc) for exc in _leaves(group))
     if failure:
         logging.getLogger("trio_pdrouter.supervisor").error("%s", failure)
         sys.exit(1)
+
+
+def _exit_bad_setting(exc: BaseException) -> None:
+    """Exit 2 (a setting the router cannot use, as for a bad flag) with one line naming it."""
+    print(f"trio-pdrouter: {exc}", file=sys.stderr)
+    sys.exit(2)
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 from typing import cast
 
@@ -20,11 +21,13 @@ from .assemble import build_app
 from .config import ClusterSettings, RouterConfig
 from .discovery import Credentials, credentials, follow_pods
 from .endpoints import normalize_url
-from .fleet import PROBER_ROW, wait_until_healthy
+from .fleet import PROBER_ROW, StartupTimeout, wait_until_healthy
 from .http import (
+    BindError,
     LegClient,
     close_connections_when_clients_leave,
     expose_connections,
+    listening_sockets,
     make_client,
     serve_http1_only,
 )
@@ -95,8 +98,11 @@ async def run_router(
     supervisor made (``listen_fd``, ``metrics_fd`` for ``--prometheus-port``); otherwise the
     router binds its ports itself.
 
-    First waits for the configured servers to be healthy (:mod:`trio_pdrouter.fleet.startup`);
-    raises :class:`~trio_pdrouter.fleet.startup.StartupTimeout` when they are not in time, and
+    Binds its ports first (raising :class:`~trio_pdrouter.http.BindError` when it cannot) and
+    serves at once; then waits for the configured servers to be healthy
+    (:mod:`trio_pdrouter.fleet.startup`: meanwhile ``/readiness`` answers 503) and reports
+    once they are; raises :class:`~trio_pdrouter.fleet.startup.StartupTimeout` when they are
+    not in time, and
     :class:`~trio_pdrouter.discovery.credentials.NoCredentials` when ``--service-discovery`` has no
     API server.
 
@@ -113,19 +119,71 @@ async def run_router(
     close_connections_when_clients_leave()
     serve_http1_only()
     expose_connections()
-    async with make_client(config) as client:
-        urls = [url for urls in config.servers().values() for url in urls]
-        await wait_until_healthy(client, [normalize_url(url) for url in urls], config.health)
-        prober = not isinstance(ledger, MachineLedger) or ledger.row == PROBER_ROW
-        kube = credentials(config) if prober else None
-        async with trio.open_nursery() as nursery:
-            seat = (ledger, listen_fd, metrics_fd, kube)
-            running: RunningRouter = await nursery.start(
-                _run, config, client, nursery, shutdown_trigger, exit_by_deadline, seat
-            )
-            if settle_heap:
-                collector.settle()
-            task_status.started(running)
+    listener, metrics_listener = _bind(config, listen_fd is None, metrics_fd is None)
+    bound = [sock for sock in (listener, metrics_listener) if sock is not None]
+    listen_fd = listener.fileno() if listener is not None else listen_fd
+    metrics_fd = metrics_listener.fileno() if metrics_listener is not None else metrics_fd
+    try:
+        async with make_client(config) as client:
+            prober = not isinstance(ledger, MachineLedger) or ledger.row == PROBER_ROW
+            kube = credentials(config) if prober else None
+            urls = [normalize_url(url) for urls in config.servers().values() for url in urls]
+            failure: StartupTimeout | None = None
+            async with trio.open_nursery() as nursery:
+                seat = (ledger, listen_fd, metrics_fd, kube)
+                running: RunningRouter = await nursery.start(
+                    _run, config, client, nursery, shutdown_trigger, exit_by_deadline, seat
+                )
+                try:
+                    await wait_until_healthy(client, urls, config.health, running.app.startup)
+                except StartupTimeout as exc:
+                    failure = exc
+                    nursery.cancel_scope.cancel()
+                else:
+                    if not isinstance(ledger, MachineLedger):  # a worker's supervisor says it
+                        log.info("%s", starting_line(config, running.url, running.metrics_url))
+                    if settle_heap:
+                        collector.settle()
+                    task_status.started(running)
+            if failure is not None:
+                raise failure
+    finally:
+        for sock in bound:
+            sock.close()
+
+
+def _bind(
+    config: RouterConfig, listener: bool, metrics: bool
+) -> tuple[socket.socket | None, socket.socket | None]:
+    """The sockets the router still has to bind (before anything else: a port in use shows at
+    once, as :class:`~trio_pdrouter.http.BindError`): its listener unless given, and the
+    ``--prometheus-port`` listener unless given or not asked for."""
+    s = config.server
+    main = None
+    if listener:
+        (main,) = listening_sockets(s.host, s.port, s.backlog, 1, reuseport=False)
+    if not metrics or config.prometheus_port is None:
+        return main, None
+    host = config.prometheus_host or s.host
+    try:
+        (side,) = listening_sockets(host, config.prometheus_port, s.backlog, 1, reuseport=False)
+    except BindError:
+        if main is not None:
+            main.close()
+        raise
+    return main, side
+
+
+def starting_line(config: RouterConfig, url: str, metrics_url: str | None) -> str:
+    """The one start-up line, once ready: where it listens, the processes, the mode, the
+    policies, the servers, and where metrics go."""
+    policies = ",".join(f"{role.value}:{config.stage_policy(role)}" for role in config.servers())
+    servers = " ".join(f"{role.value}={len(urls)}" for role, urls in config.servers().items())
+    metrics = f"{url}/metrics" + (f" and {metrics_url}/metrics" if metrics_url else "")
+    return (
+        f"listening={url} workers={config.server.workers} mode={'pd' if config.pd else 'regular'}"
+        f" policy={policies} {servers} metrics={metrics}"
+    )
 
 
 async def _run(
@@ -142,9 +200,7 @@ async def _run(
     the Kubernetes credentials of the machine's one pod watcher."""
     ledger, listen_fd, metrics_fd, kube = seat
     hc = hypercorn_config(config)
-    if listen_fd is not None:
-        hc.bind = [f"fd://{listen_fd}"]
-    app = build_app(config, client, nursery, ledger=ledger)
+    app = build_app(config, client, nursery, ledger=ledger, starting=_starts_unknown(config))
     nursery.start_soon(
         _maintain_policies, app.routing, config.policy_settings.eviction_interval_secs
     )
@@ -190,9 +246,17 @@ async def _run(
         )
         nursery.cancel_scope.cancel()
 
+    assert listen_fd is not None  # run_router bound it
+    hc.bind = [f"fd://{os.dup(listen_fd)}"]  # hypercorn's socket owns (and closes) the copy
     binds: list[str] = await nursery.start(_serve)
-    log.info("listening=%s mode=%s", binds[0], "pd" if config.pd else "regular")
+    log.info("bound=%s serving /health; ready once the servers are", binds[0])
     task_status.started(RunningRouter(binds[0], app.ledger, app, metrics_url))
+
+
+def _starts_unknown(config: RouterConfig) -> bool:
+    """Whether the command line's servers start unknown (no traffic until a probe passes): yes
+    unless nothing would ever probe them (no start-up wait, no health probes)."""
+    return config.health.startup_timeout_secs > 0 or config.health.interval_secs > 0
 
 
 async def _end_requests_at(app: RouterApp, deadline: float, exit_by_deadline: bool) -> None:
@@ -228,7 +292,7 @@ async def _serve_metrics(
     )
     hc = hypercorn_config(attrs.evolve(config, server=server))
     if fd is not None:
-        hc.bind = [f"fd://{fd}"]
+        hc.bind = [f"fd://{os.dup(fd)}"]
     await serve(cast(Framework, MetricsApp(metrics)), hc, task_status=task_status)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hmac
 
 from ..config import RouterConfig
-from ..fleet import EngineTruth, Fleet, HealthBoard, Verdicts
+from ..fleet import EngineTruth, Fleet, HealthBoard, StartupStatus, Verdicts
 from ..http import ROUTES, Cors, Receive, Reply, Scope, Send, answer_lifespan, errors, origin_of
 from ..kv import KvEvents
 from ..ledger import LoadLedger, PeerLoads
@@ -56,6 +56,7 @@ class RouterApp:
         context: ContextCheck | None,
         inference: InferenceRoutes,
         admin: AdminRoutes,
+        startup: StartupStatus,
     ) -> None:
         self._config = config
         self._cors = Cors(config.cors_allowed_origins)
@@ -78,6 +79,9 @@ class RouterApp:
         self.kv_events = kv_events
         #: Refuses prompts no candidate could hold (None with --no-check-context-length).
         self.context = context
+        #: The start-up wait for the command line's servers (run by
+        #: :func:`~trio_pdrouter.server.run_router`).
+        self.startup = startup
         self._inference = inference
         self._admin = admin
         self.routes: dict[str, dict[str, Handler]] = self._admin.routes()

@@ -346,6 +346,7 @@ class RouterConfig:
             "port of the separate /metrics listener",
             type=int,
         ),
+        check=must(lambda p: 0 <= p <= 65535, "must be a port number, 0 to 65535"),
     )
     #: Seconds between scrapes of each upstream's ``/metrics`` (engine truth); 0 = off.
     engine_metrics_interval: float = setting(

@@ -160,6 +160,10 @@ class Fleet:
     def endpoints_of(self, url: str) -> list[Endpoint]:
         return [ep for ep in self.endpoints() if ep.url == url]
 
+    def health(self, url: str) -> str | None:
+        """The health of the server at ``url`` (see :meth:`HealthBoard.health`)."""
+        return self._health.health(url)
+
     def origin(self, url: str) -> Origin | None:
         """Where the server at ``url`` came from; None if there is none."""
         return self._origins.get(url)
@@ -216,9 +220,10 @@ class Fleet:
                     self._catch_up()
             await trio.sleep(interval)
 
-    def add_at_start(self, url: str, role: Role) -> tuple[Endpoint, ...]:
-        """A server of the command line: every worker starts with it, so it is not logged."""
-        return self._add(url, role, True, STATIC)
+    def add_at_start(self, url: str, role: Role, *, serving: bool = True) -> tuple[Endpoint, ...]:
+        """A server of the command line: every worker starts with it, so it is not logged;
+        ``serving=False``: unknown until a probe passes (see :mod:`.health`)."""
+        return self._add(url, role, serving, STATIC)
 
     def catch_up(self) -> None:
         """Replay the machine's server changes this worker has not applied (at start)."""
@@ -304,6 +309,7 @@ class Fleet:
                 "role": ep.role.value,
                 "rank": ep.rank,
                 "healthy": health.is_healthy(ep),
+                "health": health.health(ep.url),
                 "circuit": breakers.state(ep),
                 "routable": ep in routable,
                 "load": ledger.load(ep),
