@@ -119,7 +119,11 @@ async def test_removal_stops_new_traffic_and_waits_for_in_flight_requests(
         return response
 
     app, upstream = make_app(
-        pd_config(decode_urls=("http://decode:8200", "http://decode2:9000"), policy="round_robin"),
+        pd_config(
+            decode_urls=("http://decode:8200", "http://decode2:9000"),
+            policy="round_robin",
+            expose_routing_headers=True,
+        ),
         handler,
         background,
     )

@@ -50,6 +50,7 @@ async def rig(n: int = 2, sim: SimConfig = SIM, **router: Any) -> AsyncIterator[
             worker_urls=tuple(s.url for s in sims),
             server=ServerSettings(host="127.0.0.1", port=0),
             policy="kv_aware",
+            expose_routing_headers=True,  # the tests read which engine served and its kv note
             kv_events=KvEventSettings(
                 sources=tuple(sources),
                 replay_sources=tuple(replays),

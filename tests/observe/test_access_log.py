@@ -106,7 +106,7 @@ async def test_one_line_per_streamed_pd_request_matching_the_headers(
         body.end()
         return response
 
-    app, _ = make_app(pd_config(), handler, background)
+    app, _ = make_app(pd_config(expose_routing_headers=True), handler, background)
     caplog.set_level(logging.INFO, logger="trio_pdrouter.access")
     ex = await call(app, "POST", "/v1/completions", REQUEST, headers={"x-request-id": "req-42"})
     assert ex.status == 200

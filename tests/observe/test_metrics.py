@@ -166,7 +166,7 @@ async def test_retried_prefill_errors_are_counted_in_memory(
 
 async def test_metrics_move_under_traffic_against_simulators() -> None:
     async with trio.open_nursery() as nursery:
-        c = await start_cluster(nursery, dp_size=2)
+        c = await start_cluster(nursery, dp_size=2, expose_routing_headers=True)
         for route, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
             for stream in (True, False, True):
                 resp = await c.client.post(

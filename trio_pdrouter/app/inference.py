@@ -24,6 +24,10 @@ __all__ = ["MAX_JSON_DEPTH", "InferenceRoutes"]
 
 log = logging.getLogger("trio_pdrouter.access")
 
+#: Outcomes where nothing failed on the router's side: answered, or the client's own doing (a
+#: bad request, an engine refusing the request with a 4xx, a client that left).
+SERVED = frozenset({"ok", "bad_request", "upstream_status", "client_disconnect"})
+
 #: orjson parses JSON nested ~1000 deep but serialises only 255 levels; no OpenAI request nests
 #: beyond a handful, so anything deeper is refused before it is charged or forwarded.
 MAX_JSON_DEPTH = 64
@@ -85,9 +89,11 @@ class InferenceRoutes:
             self._account(req.record())
 
     def _account(self, record: RequestRecord) -> None:
-        """One access line and the metrics of one request."""
-        if log.isEnabledFor(logging.INFO):
-            log.info("%s", access_line(record))
+        """One access line and the metrics of one request: at warning when the router or an
+        upstream failed it (so ``--log-level warning`` still shows failures), else at info."""
+        level = logging.INFO if record.outcome in SERVED else logging.WARNING
+        if log.isEnabledFor(level):
+            log.log(level, "%s", access_line(record))
         self._metrics.observe_request(record)
 
     async def _parse(

@@ -330,6 +330,17 @@ class RouterConfig:
             "also write the log to <dir>/trio-pdrouter.<YYYY-MM-DD>, a file per UTC day",
         ),
     )
+    expose_routing_headers: bool = setting(
+        False,
+        Flag(
+            "--expose-routing-headers",
+            Group.OBSERVABILITY,
+            "add x-trio-pdrouter-prefill/-decode/-worker (the endpoints chosen, internal"
+            " addresses) and x-trio-pdrouter-kv to every answer; off: a client sees x-request-id"
+            " only",
+            action="store_true",
+        ),
+    )
     prometheus_host: str | None = setting(
         None,
         Flag(

@@ -39,6 +39,11 @@ class RequestRecord:
     upstream_errors: list[tuple[str, str, str]] = attrs.Factory(list)
     #: ``kv_aware``'s view of its choice: blocks matched/total and whether the state was known.
     kv: str | None = None
+    #: The failure that decided the answer, if one did: its stage, the endpoint it came from,
+    #: and its cause (kind and detail, as clients never see them).
+    failed_stage: str | None = None
+    failed_upstream: str | None = None
+    cause: str | None = None
 
 
 def access_line(rec: RequestRecord) -> str:
@@ -59,7 +64,14 @@ def access_line(rec: RequestRecord) -> str:
         ("retries", str(rec.retries)),
     )
     line = " ".join(f"{key}={value}" for key, value in fields)
-    return f"{line} kv={rec.kv}" if rec.kv is not None else line
+    if rec.kv is not None:
+        line += f" kv={rec.kv}"
+    if rec.cause is not None:
+        line += (
+            f" failed_stage={rec.failed_stage or '-'} failed_upstream={rec.failed_upstream or '-'}"
+            f" cause={_quoted(rec.cause)}"
+        )
+    return line
 
 
 def _quoted(value: str) -> str:

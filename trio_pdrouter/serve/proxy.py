@@ -89,7 +89,13 @@ class Proxy:
         self.in_flight: set[Request] = set()
 
     async def handle(self, inf: Inference, receive: Receive, send: Send) -> RequestRecord:
-        req = Request(inf, Downstream(send), self._outcomes, current_connection())
+        req = Request(
+            inf,
+            Downstream(send),
+            self._outcomes,
+            current_connection(),
+            shows_endpoints=self._config.expose_routing_headers,
+        )
         self.in_flight.add(req)
         try:
             await self._serve(req, receive)
@@ -101,6 +107,7 @@ class Proxy:
             req.crashed()
             if not gone:
                 error = errors.internal("the router failed while serving this request")
+                error = error.for_request(inf.request_id)
                 started = req.down.started
                 await req.down.finish(
                     Reply.tail(sse.error_event(error)) if started else Reply.error(error)
@@ -150,7 +157,9 @@ class Proxy:
                 req.unroutable()
                 if req.life.phase is Phase.FAILED and req.failure is not None:
                     # The breakers closed the last door after a failure: answer that failure.
-                    return _with_routing_headers(req, req.failure.reply(streaming=False))
+                    return _with_routing_headers(
+                        req, req.failure.reply(streaming=False, request_id=req.inf.request_id)
+                    )
                 return Reply.error(errors.no_healthy_endpoint(exc.role.value))
             async with attempt.lease:
                 # First inside the block: nothing between the charge and the lease's guard.
@@ -279,4 +288,4 @@ def _with_routing_headers(req: Request, reply: Reply) -> Reply:
     """A whole response carries the routing headers of the attempt that produced it."""
     if req.down.started or req.attempt is None:
         return reply
-    return Reply(reply.status, [*reply.headers, *req.attempt.routing_headers()], reply.body)
+    return Reply(reply.status, [*reply.headers, *req.routing_headers()], reply.body)

@@ -26,7 +26,7 @@ from ..ledger import Lease
 from ..observe import RequestRecord
 from ..routing import Lesson, RoutingKey
 from ..transport import SendSide
-from .lifecycle import Event, KvEvent, KvOwner, Lifecycle, outcome
+from .lifecycle import Event, KvEvent, KvOwner, Lifecycle, Phase, outcome
 from .outcomes import LegFailure, Verdict
 
 
@@ -93,7 +93,8 @@ class Attempt:
                 lesson.unlearn()
 
     def routing_headers(self) -> Headers:
-        """Response headers that explain the decision: the request id and the endpoints."""
+        """Response headers that explain the decision: the request id and the endpoints
+        (``--expose-routing-headers`` only: see :meth:`Request.routing_headers`)."""
         rid = (b"x-request-id", self.request_id.encode("latin-1", "replace"))
         kv = [(b"x-trio-pdrouter-kv", self.kv_note.encode())] if self.kv_note else []
         if self.prefill is None:
@@ -126,6 +127,7 @@ class Request:
         "prefill_ms",
         "rejection",
         "scope",
+        "shows_endpoints",
         "started",
         "upstream_errors",
     )
@@ -136,8 +138,12 @@ class Request:
         down: Downstream,
         outcomes: OutcomeSink,
         connection: Connection | None = None,
+        *,
+        shows_endpoints: bool = False,
     ) -> None:
         self.inf = inf
+        #: ``--expose-routing-headers``: the answer names the endpoints chosen.
+        self.shows_endpoints = shows_endpoints
         self.down = down
         #: The client's connection, when served by hypercorn (cut if the client stalls).
         self.connection = connection
@@ -235,7 +241,7 @@ class Request:
         self.failure = failure
         streaming = self.life.streaming_started
         self.life.step(Event.FAIL)
-        return failure.reply(streaming)
+        return failure.reply(streaming, self.inf.request_id)
 
     def client_left(self) -> None:
         self.life.step(Event.CLIENT_LEFT)
@@ -290,6 +296,14 @@ class Request:
         """An attempt ended with the KV still on the prefill engine: reclaimed or abandoned."""
         self.life.kv_step(event)
 
+    def routing_headers(self) -> Headers:
+        """The headers a client's answer carries: the request id, as the client sent it (or as
+        the router made it), and, with ``--expose-routing-headers``, the attempt's endpoints."""
+        attempt = self.attempt
+        if attempt is not None and self.shows_endpoints:
+            return attempt.routing_headers()
+        return [(b"x-request-id", self.inf.request_id.encode("latin-1", "replace"))]
+
     # -- what legs met -------------------------------------------------------------------------
 
     def record_success(self, endpoint: Endpoint) -> None:
@@ -313,6 +327,7 @@ class Request:
         inf, down, attempt = self.inf, self.down, self.attempt
         now = trio.current_time()
         first = down.first_chunk_at
+        failure = self.failure if self.life.phase is Phase.FAILED else None
         failure_kind = self.failure.kind if self.failure is not None else None
         return RequestRecord(
             inf.request_id,
@@ -331,4 +346,7 @@ class Request:
             retries=self.life.retries,
             rejection=self.rejection,
             upstream_errors=self.upstream_errors,
+            failed_stage=None if failure is None else failure.stage,
+            failed_upstream=None if failure is None else failure.endpoint.key,
+            cause=None if failure is None else f"{failure.kind}: {failure.detail}",
         )
