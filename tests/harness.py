@@ -195,6 +195,7 @@ async def call(
         "path": unquote(path),
         "raw_path": path.encode(),
         "headers": [(k.lower().encode(), v.encode()) for k, v in hdrs.items()],
+        "client": ("10.9.8.7", 50123),
     }
     body_sent = False
 

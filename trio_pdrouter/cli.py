@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     config = parse_config(argv)
-    configure_logging(config.log_level, config.log_dir)
+    configure_logging(config.log_level, config.log_dir, config.log_format)
     if config.server.workers == 1:
         try:
             trio.run(

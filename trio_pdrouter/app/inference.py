@@ -15,7 +15,7 @@ import trio
 
 from ..config import RouterConfig
 from ..http import ROUTES, Receive, Reply, Route, Scope, Send, errors
-from ..observe import RequestRecord, RouterMetrics, access_line
+from ..observe import ACCESS, RequestRecord, RouterMetrics, access_fields, access_line
 from ..routing import PromptTokens, routing_key
 from ..serve import ContextCheck, Inference, Proxy, bodies, sampling
 from .request_body import BadRequest, read_body, send_reply
@@ -23,10 +23,6 @@ from .request_body import BadRequest, read_body, send_reply
 __all__ = ["MAX_JSON_DEPTH", "InferenceRoutes"]
 
 log = logging.getLogger("trio_pdrouter.access")
-
-#: Outcomes where nothing failed on the router's side: answered, or the client's own doing (a
-#: bad request, an engine refusing the request with a 4xx, a client that left).
-SERVED = frozenset({"ok", "bad_request", "upstream_status", "client_disconnect"})
 
 #: orjson parses JSON nested ~1000 deep but serialises only 255 levels; no OpenAI request nests
 #: beyond a handful, so anything deeper is refused before it is charged or forwarded.
@@ -75,6 +71,7 @@ class InferenceRoutes:
                 outcome="bad_request",
                 total_ms=(trio.current_time() - started) * 1000,
                 bytes_out=len(reply.body),
+                client=client_address(scope),
             )
         else:
             if inference is None:  # the client left while sending its body: nobody to answer
@@ -91,9 +88,10 @@ class InferenceRoutes:
     def _account(self, record: RequestRecord) -> None:
         """One access line and the metrics of one request: at warning when the router or an
         upstream failed it (so ``--log-level warning`` still shows failures), else at info."""
-        level = logging.INFO if record.outcome in SERVED else logging.WARNING
+        level = logging.WARNING if record.failed else logging.INFO
         if log.isEnabledFor(level):
-            log.log(level, "%s", access_line(record))
+            fields = {ACCESS: access_fields(record)}
+            log.log(level, "%s", access_line(record), extra=fields)
         self._metrics.observe_request(record)
 
     async def _parse(
@@ -136,7 +134,17 @@ class InferenceRoutes:
             stream=stream,
             request_id=bodies.request_id(headers, self._config.request_id_headers),
             key=key,
+            client=client_address(scope),
         )
+
+
+def client_address(scope: Scope) -> str | None:
+    """``host:port`` of the client as the server saw it (``[v6]:port``), for the access log."""
+    client = scope.get("client")
+    if not client:
+        return None
+    host, port = client[0], client[1]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
 
 
 def nested_deeper_than(value: Any, limit: int) -> bool:

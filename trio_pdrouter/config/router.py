@@ -322,6 +322,16 @@ class RouterConfig:
             choices=LOG_LEVELS,
         ),
     )
+    log_format: str = setting(
+        "text",
+        Flag(
+            "--log-format",
+            Group.OBSERVABILITY,
+            "text: one line of key=value pairs per event; json: one JSON object per line"
+            " (ts in UTC, level, logger, message, and each access line's fields as keys)",
+            choices=("text", "json"),
+        ),
+    )
     log_dir: str | None = setting(
         None,
         Flag(

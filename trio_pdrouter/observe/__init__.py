@@ -3,23 +3,29 @@
 :class:`RouterMetrics` owns the router's registry (``trio_pdrouter_*`` families, and the
 collectors other subsystems register); :class:`RequestRecord` is what happened to one request as
 the access line and the metrics see it; :func:`configure_logging` sends the log to stderr and,
-with ``--log-dir``, to a file a day.
+with ``--log-dir``, to a file a day, as text or (``--log-format json``) one JSON object a line.
 
 Contract: observes, never decides. May import the ledger (to watch it), HTTP shapes and below.
 """
 
 from __future__ import annotations
 
+from .json_log import ACCESS, JsonLines
 from .log_files import DailyLogFile, configure_logging
 from .metrics import CONTENT_TYPE, MetricsApp, RouterMetrics
-from .record import RequestRecord, access_line
+from .record import RequestRecord, access_fields, access_line
+from .usage import usage_of
 
 __all__ = [
+    "ACCESS",
     "CONTENT_TYPE",
     "DailyLogFile",
+    "JsonLines",
     "MetricsApp",
     "RequestRecord",
     "RouterMetrics",
+    "access_fields",
     "access_line",
     "configure_logging",
+    "usage_of",
 ]

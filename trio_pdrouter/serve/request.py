@@ -23,7 +23,7 @@ import trio
 from ..endpoints import Endpoint, Role
 from ..http import Connection, Downstream, Headers, Reply, Route, errors, sse
 from ..ledger import Lease
-from ..observe import RequestRecord
+from ..observe import RequestRecord, usage_of
 from ..routing import Lesson, RoutingKey
 from ..transport import SendSide
 from .lifecycle import Event, KvEvent, KvOwner, Lifecycle, Phase, outcome
@@ -41,6 +41,8 @@ class Inference:
     stream: bool
     request_id: str
     key: RoutingKey
+    #: The client's address (``host:port``), for the access log.
+    client: str | None = None
 
 
 class OutcomeSink(Protocol):
@@ -328,6 +330,8 @@ class Request:
         now = trio.current_time()
         first = down.first_chunk_at
         failure = self.failure if self.life.phase is Phase.FAILED else None
+        model = inf.body.get("model")
+        prompt_tokens, completion_tokens = usage_of(down.tail())
         failure_kind = self.failure.kind if self.failure is not None else None
         return RequestRecord(
             inf.request_id,
@@ -349,4 +353,8 @@ class Request:
             failed_stage=None if failure is None else failure.stage,
             failed_upstream=None if failure is None else failure.endpoint.key,
             cause=None if failure is None else f"{failure.kind}: {failure.detail}",
+            client=inf.client,
+            model=model if isinstance(model, str) else None,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
         )

@@ -76,7 +76,7 @@ def main(args: Sequence[str]) -> None:
 
     row, name, lock_path, fd, metrics_fd = int(args[0]), args[1], args[2], *map(int, args[3:5])
     config = parse_config(args[5:])
-    configure_logging(config.log_level, config.log_dir)
+    configure_logging(config.log_level, config.log_dir, config.log_format)
     log.info("worker=%d pid=%d starting", row, os.getpid())
     table = MachineTable.attach(name, lock_path)
 
