@@ -32,7 +32,7 @@ from .http import LegClient, stream_timeout
 from .kv import KvCollector, kv_events_for
 from .ledger import LoadLedger, MachineLedger, PeerLoads, exchange_timeout
 from .machine import PrefixRing, RouteRing
-from .observe import RouterMetrics
+from .observe import RouterMetrics, tracing_for
 from .routing import KvAware, LocalTokenizer, PromptTokens, Routing, make_policy
 from .serve import (
     Admission,
@@ -208,6 +208,17 @@ def build_app(
             on_refused=metrics.stranded_kv_refused_by,
         ),
         rng=rng,
+        tracing=tracing_for(
+            config.otlp_traces_endpoint,
+            config.otlp_traces_sample_ratio,
+            {
+                "trio_pdrouter.mode": "pd" if config.pd else "regular",
+                **{
+                    f"trio_pdrouter.policy.{role.value}": config.stage_policy(role)
+                    for role in config.servers()
+                },
+            },
+        ),
     )
     truth = None
     if config.engine_metrics_interval > 0 and prober:

@@ -16,7 +16,7 @@ import trio
 
 from .config import ConfigError, RouterConfig, build_parser
 from .config import parse_config as parse_settings
-from .observe import configure_logging
+from .observe import TracingUnavailable, check_tracing_available, configure_logging
 from .routing import LocalTokenizer, TokenizerFilesError
 
 __all__ = ["build_parser", "main", "parse_config"]
@@ -32,10 +32,24 @@ def _tokenizer_loads(config: RouterConfig) -> None:
             raise ConfigError(f"--kv-tokenizer-path {exc}") from None
 
 
+def _tracing_loads(config: RouterConfig) -> None:
+    """``--otlp-traces-endpoint`` has the OpenTelemetry SDK it needs."""
+    if config.otlp_traces_endpoint is not None:
+        try:
+            check_tracing_available()
+        except TracingUnavailable as exc:
+            raise ConfigError(str(exc)) from None
+
+
+def _files_load(config: RouterConfig) -> None:
+    _tokenizer_loads(config)
+    _tracing_loads(config)
+
+
 def parse_config(argv: Sequence[str] | None = None) -> RouterConfig:
     """The config ``argv`` describes, its files checked; on a bad setting, exit 2 with the
     message on stderr."""
-    return parse_settings(argv, check=_tokenizer_loads)
+    return parse_settings(argv, check=_files_load)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -32,7 +32,7 @@ from .http import (
     serve_http1_only,
 )
 from .ledger import ClusterSync, LoadLedger, MachineLedger, Snapshot, connect, exchange_timeout
-from .observe import MetricsApp, RouterMetrics
+from .observe import MetricsApp, RouterMetrics, Tracing
 from .routing import Routing
 from .serve import StallWatch
 
@@ -44,6 +44,8 @@ FOLLOW_INTERVAL = 0.05
 #: and when the command line's process exits whatever is still running (seconds).
 ANSWER_FLUSH_S = 0.5
 EXIT_DEADLINE_S = 0.9
+#: At exit: how long the spans still queued may take to export (``--otlp-traces-endpoint``).
+TRACES_FLUSH_S = 2.0
 
 
 @attrs.frozen
@@ -129,27 +131,40 @@ async def run_router(
             kube = credentials(config) if prober else None
             urls = [normalize_url(url) for urls in config.servers().values() for url in urls]
             failure: StartupTimeout | None = None
-            async with trio.open_nursery() as nursery:
-                seat = (ledger, listen_fd, metrics_fd, kube)
-                running: RunningRouter = await nursery.start(
-                    _run, config, client, nursery, shutdown_trigger, exit_by_deadline, seat
-                )
-                try:
-                    await wait_until_healthy(client, urls, config.health, running.app.startup)
-                except StartupTimeout as exc:
-                    failure = exc
-                    nursery.cancel_scope.cancel()
-                else:
-                    if not isinstance(ledger, MachineLedger):  # a worker's supervisor says it
-                        log.info("%s", starting_line(config, running.url, running.metrics_url))
-                    if settle_heap:
-                        collector.settle()
-                    task_status.started(running)
+            running: RunningRouter | None = None
+            try:
+                async with trio.open_nursery() as nursery:
+                    seat = (ledger, listen_fd, metrics_fd, kube)
+                    running = await nursery.start(
+                        _run, config, client, nursery, shutdown_trigger, exit_by_deadline, seat
+                    )
+                    try:
+                        await wait_until_healthy(client, urls, config.health, running.app.startup)
+                    except StartupTimeout as exc:
+                        failure = exc
+                        nursery.cancel_scope.cancel()
+                    else:
+                        if not isinstance(ledger, MachineLedger):  # a worker's supervisor says it
+                            log.info("%s", starting_line(config, running.url, running.metrics_url))
+                        if settle_heap:
+                            collector.settle()
+                        task_status.started(running)
+            finally:
+                if running is not None and running.app.proxy.tracing is not None:
+                    await _stop_tracing(running.app.proxy.tracing)
             if failure is not None:
                 raise failure
     finally:
         for sock in bound:
             sock.close()
+
+
+async def _stop_tracing(tracing: Tracing) -> None:
+    """Export the spans still queued, in a thread, for at most :data:`TRACES_FLUSH_S` (also when
+    cancelled: shutting down)."""
+    with trio.move_on_after(TRACES_FLUSH_S) as scope:
+        scope.shield = True
+        await trio.to_thread.run_sync(tracing.shutdown, abandon_on_cancel=True)
 
 
 def _bind(
@@ -176,13 +191,14 @@ def _bind(
 
 def starting_line(config: RouterConfig, url: str, metrics_url: str | None) -> str:
     """The one start-up line, once ready: where it listens, the processes, the mode, the
-    policies, the servers, and where metrics go."""
+    policies, the servers, and where metrics and traces go."""
     policies = ",".join(f"{role.value}:{config.stage_policy(role)}" for role in config.servers())
     servers = " ".join(f"{role.value}={len(urls)}" for role, urls in config.servers().items())
     metrics = f"{url}/metrics" + (f" and {metrics_url}/metrics" if metrics_url else "")
+    traces = config.otlp_traces_endpoint or "off"
     return (
         f"listening={url} workers={config.server.workers} mode={'pd' if config.pd else 'regular'}"
-        f" policy={policies} {servers} metrics={metrics}"
+        f" policy={policies} {servers} metrics={metrics} traces={traces}"
     )
 
 

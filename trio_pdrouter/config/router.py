@@ -322,6 +322,27 @@ class RouterConfig:
             choices=LOG_LEVELS,
         ),
     )
+    otlp_traces_endpoint: str | None = setting(
+        None,
+        Flag(
+            "--otlp-traces-endpoint",
+            Group.OBSERVABILITY,
+            "export a span per request and per upstream call to this OTLP/HTTP collector"
+            " (http://host:4318, or its full /v1/traces URL), and send each engine the"
+            " traceparent of its call; OTEL_* variables configure the exporter. Needs the"
+            " otel extra (pip install 'trio-pdrouter[otel]')",
+        ),
+    )
+    otlp_traces_sample_ratio: float = setting(
+        1.0,
+        Flag(
+            "--otlp-traces-sample-ratio",
+            Group.OBSERVABILITY,
+            "share of new traces sampled (0 to 1); a client's traceparent decides for its own",
+            type=float,
+        ),
+        check=must(lambda r: 0.0 <= r <= 1.0, "must be between 0 and 1"),
+    )
     log_format: str = setting(
         "text",
         Flag(

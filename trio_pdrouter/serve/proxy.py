@@ -41,7 +41,7 @@ import trio
 from ..config import RouterConfig
 from ..endpoints import Role
 from ..http import Downstream, Receive, Reply, Send, current_connection, errors, sse
-from ..observe import RequestRecord
+from ..observe import RequestRecord, Tracing
 from ..routing import NoHealthyEndpoint, Routing
 from . import bodies
 from .admission import Admission, Rejected
@@ -75,6 +75,7 @@ class Proxy:
         relay: DecodeRelay,
         reclaimer: KvReclaimer,
         rng: random.Random | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self._config = config
         self._routing = routing
@@ -85,16 +86,27 @@ class Proxy:
         self._relay = relay
         self._reclaimer = reclaimer
         self._rng = rng or random.Random()
+        #: ``--otlp-traces-endpoint``: the spans of each request (None: off).
+        self.tracing = tracing
         #: The requests being served now.
         self.in_flight: set[Request] = set()
 
     async def handle(self, inf: Inference, receive: Receive, send: Send) -> RequestRecord:
+        trace = None
+        if self.tracing is not None:
+            trace = self.tracing.request(inf.path, inf.headers)
+            trace.note("trio_pdrouter.stream", inf.stream)
+            trace.note("trio_pdrouter.prompt_tokens_estimated", inf.key.prompt_tokens)
+            trace.note("trio_pdrouter.output_tokens_estimated", inf.key.output_tokens)
+            if inf.key.tokens is not None:
+                trace.note("trio_pdrouter.prompt_token_ids_known", len(inf.key.tokens))
         req = Request(
             inf,
             Downstream(send),
             self._outcomes,
             current_connection(),
             shows_endpoints=self._config.expose_routing_headers,
+            trace=trace,
         )
         self.in_flight.add(req)
         try:
@@ -114,7 +126,10 @@ class Proxy:
                 )
         finally:
             self.in_flight.discard(req)
-        return req.record()
+        record = req.record()
+        if trace is not None:
+            req.end_trace(record)
+        return record
 
     async def _serve(self, req: Request, receive: Receive) -> None:
         reply: Reply | None = None
@@ -126,6 +141,9 @@ class Proxy:
             try:
                 async with self._admission.slot():
                     req.admitted()
+                    if req.trace is not None:
+                        waited = (trio.current_time() - req.started) * 1000
+                        req.trace.note("trio_pdrouter.queue_wait_ms", waited)
                     reply = await self._attempts(req)
             except Rejected as exc:
                 req.rejected(exc.reason)

@@ -23,7 +23,7 @@ import trio
 from ..endpoints import Endpoint, Role
 from ..http import Connection, Downstream, Headers, Reply, Route, errors, sse
 from ..ledger import Lease
-from ..observe import RequestRecord, usage_of
+from ..observe import LegTrace, RequestRecord, RequestTrace, usage_of
 from ..routing import Lesson, RoutingKey
 from ..transport import SendSide
 from .lifecycle import Event, KvEvent, KvOwner, Lifecycle, Phase, outcome
@@ -121,6 +121,7 @@ class Request:
         "failure",
         "inf",
         "kv_params",
+        "legs",
         "life",
         "on_cancel",
         "on_leave",
@@ -131,6 +132,7 @@ class Request:
         "scope",
         "shows_endpoints",
         "started",
+        "trace",
         "upstream_errors",
     )
 
@@ -142,8 +144,13 @@ class Request:
         connection: Connection | None = None,
         *,
         shows_endpoints: bool = False,
+        trace: RequestTrace | None = None,
     ) -> None:
         self.inf = inf
+        #: The request's span (``--otlp-traces-endpoint``), and its upstream calls' spans still
+        #: open, by endpoint (each ends when its leg's outcome is recorded).
+        self.trace = trace
+        self.legs: dict[Endpoint, LegTrace] = {}
         #: ``--expose-routing-headers``: the answer names the endpoints chosen.
         self.shows_endpoints = shows_endpoints
         self.down = down
@@ -308,12 +315,39 @@ class Request:
 
     # -- what legs met -------------------------------------------------------------------------
 
+    def leg_traced(self, stage: str, endpoint: Endpoint, attempt: int) -> str | None:
+        """A span for an upstream call to ``endpoint`` starts (when tracing): the
+        ``traceparent`` the engine gets."""
+        if self.trace is None:
+            return None
+        leg = self.legs[endpoint] = self.trace.leg(stage, endpoint, attempt)
+        return leg.traceparent
+
+    def end_trace(self, record: RequestRecord) -> None:
+        """End the spans still open: the upstream calls' with the request's outcome, then the
+        request's."""
+        if self.trace is None:
+            return
+        for leg in self.legs.values():
+            leg.end(record.outcome)
+        self.legs.clear()
+        self.trace.end(record)
+
+    def _leg_ended(self, endpoint: Endpoint, outcome: str) -> None:
+        leg = self.legs.pop(endpoint, None)
+        if leg is not None:
+            leg.end(outcome)
+
     def record_success(self, endpoint: Endpoint) -> None:
         self._outcomes.record_success(endpoint, trio.current_time())
+        if self.legs:
+            self._leg_ended(endpoint, "ok")
 
     def record_failure(self, failure: LegFailure) -> LegFailure:
         """The one place a leg's failure is recorded: metrics, breaker, the last failure."""
         self.failure = failure
+        if self.legs:
+            self._leg_ended(failure.endpoint, failure.kind)
         if failure.upstream_error:
             self.upstream_errors.append((failure.stage, failure.endpoint.key, failure.kind))
         if failure.verdict is Verdict.FAILURE:
