@@ -59,8 +59,8 @@ class Proxy:
     """Serves inference requests from admission to the last byte (see the module doc).
 
     Every collaborator is given here: the admission cap, the routing (choose and charge), the
-    circuit breakers that learn each leg's outcome, the three legs, and the reclaimer of stranded
-    KV. :attr:`in_flight` holds the requests being served.
+    circuit breakers that learn each leg's outcome, the three legs, the reclaimer of stranded
+    KV, and the tracing (None: off). :attr:`in_flight` holds the requests being served.
     """
 
     def __init__(
@@ -74,8 +74,8 @@ class Proxy:
         buffered: BufferedDecode,
         relay: DecodeRelay,
         reclaimer: KvReclaimer,
+        tracing: Tracing | None,
         rng: random.Random | None = None,
-        tracing: Tracing | None = None,
     ) -> None:
         self._config = config
         self._routing = routing
