@@ -3,7 +3,8 @@
 Scenarios run in order of importance: routing (4), paced (2, token-paced relay cost against
 the floor), overhead (1), relay (2b, coalesced), memory (3), radix_tree (5), cluster (6),
 workers (7), caps (memory caps), mixed (8, token-weighted load), kv_ownership (10, second pulls
-and stranded prefill KV when clients leave). Each writes
+and stranded prefill KV when clients leave), tracing (11, router CPU per request with
+``--otlp-traces-endpoint`` against without). Each writes
 ``benchmarks/results/<date>-<scenario>.json``; then ``benchmarks/report.md`` is rebuilt from
 the newest result of every scenario. Process logs (routers, simulators, load generators) go to
 a fresh temporary directory, printed at the start.
@@ -37,6 +38,7 @@ from . import (
     relay,
     report,
     routing,
+    tracing,
     workers,
 )
 from .common import Context, Progress
@@ -64,6 +66,7 @@ SCENARIOS: dict[str, tuple[Callable[[Context], dict[str, Any]], Callable[[str], 
     "caps": (caps.run, caps.estimate),
     "mixed": (mixed.run, mixed.estimate),
     "kv_ownership": (kv_ownership.run, kv_ownership.estimate),
+    "tracing": (tracing.run, tracing.estimate),
 }
 
 

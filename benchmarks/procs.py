@@ -214,7 +214,8 @@ def start_router(
             raise RuntimeError("vllm-router is not installed")
         argv = [program, *common, "--prometheus-port", str(free_port()), *flags]
     service = procs.start(name, argv, url=f"http://127.0.0.1:{port}", cwd=cwd)
-    wait_ready(service, "/health", timeout=90.0)
+    # Ours answers /health as soon as it listens, before its servers are healthy.
+    wait_ready(service, "/readiness" if kind == "ours" else "/health", timeout=90.0)
     return service
 
 

@@ -35,6 +35,7 @@ SCENARIOS = (
     "mixed",
     "kv_aware",
     "kv_ownership",
+    "tracing",
 )
 
 
@@ -165,6 +166,28 @@ def _plot_cdf(curves: dict[str, list[float]], dest: Path, xlabel: str, log: bool
     fig.tight_layout()
     fig.savefig(dest, dpi=90)
     plt.close(fig)
+
+
+def _tracing(data: dict[str, Any]) -> list[str]:
+    off, on = data["off"], data["on"]
+    return [
+        "## Tracing cost (scenario 11)",
+        "",
+        f"PD mode, {data['settings']['concurrency']} streaming clients, zero-latency simulators;"
+        " `--otlp-traces-endpoint` with sampling 1.0 into a local OTLP/HTTP sink.",
+        "",
+        "| tracing | router CPU ms / request | TTFB p50 ms | total p50 ms |",
+        "|---|---|---|---|",
+        *(
+            f"| {name} | {row['router_cpu_ms_per_request']:.3f} | {row['ttfb_p50_ms']:.2f}"
+            f" | {row['total_p50_ms']:.2f} |"
+            for name, row in (("off", off), ("on", on))
+        ),
+        "",
+        f"CPU on/off: {data['cpu_ratio_on_off']:.2f}x ({data['exports_received']} exports"
+        " received).",
+        "",
+    ]
 
 
 def _overhead(path: Path, data: dict[str, Any]) -> list[str]:
@@ -744,6 +767,8 @@ def write_report(command: str) -> Path:
             parts += _routing(path, data)
         elif scenario == "overhead":
             parts += _overhead(path, data)
+        elif scenario == "tracing":
+            parts += _tracing(data)
         elif scenario == "paced":
             parts += _paced(data)
         elif scenario == "relay":

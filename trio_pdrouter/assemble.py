@@ -26,12 +26,13 @@ from .fleet import (
     MachineServers,
     MachineVerdicts,
     ModelLimits,
+    StartupStatus,
 )
 from .http import LegClient, stream_timeout
 from .kv import KvCollector, kv_events_for
 from .ledger import LoadLedger, MachineLedger, PeerLoads, exchange_timeout
 from .machine import PrefixRing, RouteRing
-from .observe import RouterMetrics
+from .observe import RouterMetrics, tracing_for
 from .routing import KvAware, LocalTokenizer, PromptTokens, Routing, make_policy
 from .serve import (
     Admission,
@@ -56,12 +57,16 @@ def build_app(
     background: trio.Nursery,
     *,
     ledger: LoadLedger | None = None,
+    starting: bool = False,
 ) -> RouterApp:
     """The whole router as an ASGI app over ``client``; tests pass an in-memory transport.
 
     ``background`` runs work that outlives a request (the stranded-KV reclaim). Health probes,
     the engine-truth scrape and policy maintenance are started by :func:`run_router`. ``ledger``
     is this process's own unless given (a worker of ``--workers N`` gives its machine ledger).
+    ``starting``: the servers of the command line are unknown, so not routable, until a probe
+    passes (:func:`~trio_pdrouter.server.run_router` then waits for them through
+    ``app.startup``); else they take traffic at once.
     """
     ledger = LoadLedger() if ledger is None else ledger
     metrics = RouterMetrics(pd=config.pd, attempts=config.retry.max_retries)
@@ -155,7 +160,8 @@ def build_app(
     )
     for role, urls in config.servers().items():
         for url in urls:
-            fleet.add_at_start(url, role)
+            fleet.add_at_start(url, role, serving=not starting)
+    startup = StartupStatus(on_healthy=health.confirm)
     fleet.catch_up()  # and then the runtime changes made before it started
     if isinstance(ledger, MachineLedger):  # what a dead predecessor held and nobody uses now
         ledger.table.keep_only(ledger.row)
@@ -209,6 +215,17 @@ def build_app(
             on_refused=metrics.stranded_kv_refused_by,
         ),
         rng=rng,
+        tracing=tracing_for(
+            config.otlp_traces_endpoint,
+            config.otlp_traces_sample_ratio,
+            {
+                "trio_pdrouter.mode": "pd" if config.pd else "regular",
+                **{
+                    f"trio_pdrouter.policy.{role.value}": config.stage_policy(role)
+                    for role in config.servers()
+                },
+            },
+        ),
     )
     truth = None
     if config.engine_metrics_interval > 0 and prober:
@@ -254,6 +271,7 @@ def build_app(
         engine_truth=truth,
         peers=peers,
         kv_events=kv,
+        startup=startup,
     )
     return RouterApp(
         config,
@@ -270,4 +288,5 @@ def build_app(
         context=context,
         inference=inference,
         admin=admin,
+        startup=startup,
     )

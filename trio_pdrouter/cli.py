@@ -16,7 +16,7 @@ import trio
 
 from .config import ConfigError, RouterConfig, build_parser
 from .config import parse_config as parse_settings
-from .observe import configure_logging
+from .observe import TracingUnavailable, check_tracing_available, configure_logging
 from .routing import LocalTokenizer, TokenizerFilesError
 
 __all__ = ["build_parser", "main", "parse_config"]
@@ -32,21 +32,36 @@ def _tokenizer_loads(config: RouterConfig) -> None:
             raise ConfigError(f"--kv-tokenizer-path {exc}") from None
 
 
+def _tracing_loads(config: RouterConfig) -> None:
+    """``--otlp-traces-endpoint`` has the OpenTelemetry SDK it needs."""
+    if config.otlp_traces_endpoint is not None:
+        try:
+            check_tracing_available()
+        except TracingUnavailable as exc:
+            raise ConfigError(str(exc)) from None
+
+
+def _files_load(config: RouterConfig) -> None:
+    _tokenizer_loads(config)
+    _tracing_loads(config)
+
+
 def parse_config(argv: Sequence[str] | None = None) -> RouterConfig:
     """The config ``argv`` describes, its files checked; on a bad setting, exit 2 with the
     message on stderr."""
-    return parse_settings(argv, check=_tokenizer_loads)
+    return parse_settings(argv, check=_files_load)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     from .discovery import NoCredentials
     from .fleet import StartupTimeout
+    from .http import BindError
     from .server import run_router, wait_for_signal
     from .workers import WorkersKeepDying, supervise
 
     argv = sys.argv[1:] if argv is None else list(argv)
     config = parse_config(argv)
-    configure_logging(config.log_level, config.log_dir)
+    configure_logging(config.log_level, config.log_dir, config.log_format)
     if config.server.workers == 1:
         try:
             trio.run(
@@ -59,15 +74,25 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
         except (StartupTimeout, NoCredentials) as exc:
             sys.exit(f"trio-pdrouter: {exc}")
+        except BindError as exc:
+            _exit_bad_setting(exc)
         return
     failure = ""
     try:
         trio.run(lambda: supervise(config, argv, wait_for_signal))
+    except* BindError as group:
+        _exit_bad_setting(_leaves(group)[0])
     except* WorkersKeepDying as group:
         failure = "; ".join(str(exc) for exc in _leaves(group))
     if failure:
         logging.getLogger("trio_pdrouter.supervisor").error("%s", failure)
         sys.exit(1)
+
+
+def _exit_bad_setting(exc: BaseException) -> None:
+    """Exit 2 (a setting the router cannot use, as for a bad flag) with one line naming it."""
+    print(f"trio-pdrouter: {exc}", file=sys.stderr)
+    sys.exit(2)
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:

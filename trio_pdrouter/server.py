@@ -21,16 +21,18 @@ from .assemble import build_app
 from .config import ClusterSettings, RouterConfig
 from .discovery import Credentials, credentials, follow_pods
 from .endpoints import normalize_url
-from .fleet import PROBER_ROW, wait_until_healthy
+from .fleet import PROBER_ROW, StartupTimeout, wait_until_healthy
 from .http import (
+    BindError,
     LegClient,
     close_connections_when_clients_leave,
     expose_connections,
+    listening_sockets,
     make_client,
     serve_http1_only,
 )
 from .ledger import ClusterSync, LoadLedger, MachineLedger, Snapshot, connect, exchange_timeout
-from .observe import MetricsApp, RouterMetrics
+from .observe import MetricsApp, RouterMetrics, Tracing
 from .routing import Routing
 from .serve import StallWatch
 
@@ -42,6 +44,8 @@ FOLLOW_INTERVAL = 0.05
 #: and when the command line's process exits whatever is still running (seconds).
 ANSWER_FLUSH_S = 0.5
 EXIT_DEADLINE_S = 0.9
+#: At exit: how long the spans still queued may take to export (``--otlp-traces-endpoint``).
+TRACES_FLUSH_S = 2.0
 
 
 @attrs.frozen
@@ -96,8 +100,11 @@ async def run_router(
     supervisor made (``listen_fd``, ``metrics_fd`` for ``--prometheus-port``); otherwise the
     router binds its ports itself.
 
-    First waits for the configured servers to be healthy (:mod:`trio_pdrouter.fleet.startup`);
-    raises :class:`~trio_pdrouter.fleet.startup.StartupTimeout` when they are not in time, and
+    Binds its ports first (raising :class:`~trio_pdrouter.http.BindError` when it cannot) and
+    serves at once; then waits for the configured servers to be healthy
+    (:mod:`trio_pdrouter.fleet.startup`: meanwhile ``/readiness`` answers 503) and reports
+    once they are; raises :class:`~trio_pdrouter.fleet.startup.StartupTimeout` when they are
+    not in time, and
     :class:`~trio_pdrouter.discovery.credentials.NoCredentials` when ``--service-discovery`` has no
     API server.
 
@@ -114,19 +121,104 @@ async def run_router(
     close_connections_when_clients_leave()
     serve_http1_only()
     expose_connections()
-    async with make_client(config) as client:
-        urls = [url for urls in config.servers().values() for url in urls]
-        await wait_until_healthy(client, [normalize_url(url) for url in urls], config.health)
-        prober = not isinstance(ledger, MachineLedger) or ledger.row == PROBER_ROW
-        kube = credentials(config) if prober else None
-        async with trio.open_nursery() as nursery:
-            seat = (ledger, listen_fd, metrics_fd, kube)
-            running: RunningRouter = await nursery.start(
-                _run, config, client, nursery, shutdown_trigger, exit_by_deadline, seat
-            )
-            if settle_heap:
-                collector.settle()
-            task_status.started(running)
+    # A worker of --workers N serves the supervisor's sockets (or no metrics listener).
+    worker = isinstance(ledger, MachineLedger)
+    listener, metrics_listener = _bind(config, listen_fd is None, metrics_fd is None and not worker)
+    bound = [sock for sock in (listener, metrics_listener) if sock is not None]
+    metrics_fd = metrics_listener.fileno() if metrics_listener is not None else metrics_fd
+    if listener is not None:
+        listen_fd = listener.fileno()
+        if shutdown_trigger is not None:
+            shutdown_trigger = _then_close(shutdown_trigger, listener)
+
+    try:
+        async with make_client(config) as client:
+            prober = not isinstance(ledger, MachineLedger) or ledger.row == PROBER_ROW
+            kube = credentials(config) if prober else None
+            urls = [normalize_url(url) for urls in config.servers().values() for url in urls]
+            failure: StartupTimeout | None = None
+            running: RunningRouter | None = None
+            try:
+                async with trio.open_nursery() as nursery:
+                    seat = (ledger, listen_fd, metrics_fd, kube)
+                    running = await nursery.start(
+                        _run, config, client, nursery, shutdown_trigger, exit_by_deadline, seat
+                    )
+                    try:
+                        await wait_until_healthy(client, urls, config.health, running.app.startup)
+                    except StartupTimeout as exc:
+                        failure = exc
+                        nursery.cancel_scope.cancel()
+                    else:
+                        if not isinstance(ledger, MachineLedger):  # a worker's supervisor says it
+                            log.info("%s", starting_line(config, running.url, running.metrics_url))
+                        if settle_heap:
+                            collector.settle()
+                        task_status.started(running)
+            finally:
+                if running is not None and running.app.proxy.tracing is not None:
+                    await _stop_tracing(running.app.proxy.tracing)
+            if failure is not None:
+                raise failure
+    finally:
+        for sock in bound:
+            sock.close()
+
+
+def _then_close(
+    trigger: Callable[[], Awaitable[None]], listener: socket.socket
+) -> Callable[[], Awaitable[None]]:
+    """``trigger``, then ``listener`` closed: hypercorn stops accepting on its copy, and with this
+    one closed too the port is closed, so a new connection is refused during the drain rather
+    than left waiting in the backlog (a caller that passes ``listen_fd`` closes its own)."""
+
+    async def closing() -> None:
+        await trigger()
+        listener.close()
+
+    return closing
+
+
+async def _stop_tracing(tracing: Tracing) -> None:
+    """Export the spans still queued, in a thread, for at most :data:`TRACES_FLUSH_S` (also when
+    cancelled: shutting down)."""
+    with trio.move_on_after(TRACES_FLUSH_S) as scope:
+        scope.shield = True
+        await trio.to_thread.run_sync(tracing.shutdown, abandon_on_cancel=True)
+
+
+def _bind(
+    config: RouterConfig, listener: bool, metrics: bool
+) -> tuple[socket.socket | None, socket.socket | None]:
+    """The sockets the router still has to bind (before anything else: a port in use shows at
+    once, as :class:`~trio_pdrouter.http.BindError`): its listener unless given, and the
+    separate ``/metrics`` listener (:func:`metrics_socket`) unless given or not this process's."""
+    s = config.server
+    main = None
+    if listener:
+        (main,) = listening_sockets(s.host, s.port, s.backlog, 1, reuseport=False)
+    if not metrics:
+        return main, None
+    try:
+        side = metrics_socket(config, s.backlog)
+    except BindError:
+        if main is not None:
+            main.close()
+        raise
+    return main, side
+
+
+def starting_line(config: RouterConfig, url: str, metrics_url: str | None) -> str:
+    """The one start-up line, once ready: where it listens, the processes, the mode, the
+    policies, the servers, and where metrics and traces go."""
+    policies = ",".join(f"{role.value}:{config.stage_policy(role)}" for role in config.servers())
+    servers = " ".join(f"{role.value}={len(urls)}" for role, urls in config.servers().items())
+    metrics = f"{url}/metrics" + (f" and {metrics_url}/metrics" if metrics_url else "")
+    traces = config.otlp_traces_endpoint or "off"
+    return (
+        f"listening={url} workers={config.server.workers} mode={'pd' if config.pd else 'regular'}"
+        f" policy={policies} {servers} metrics={metrics} traces={traces}"
+    )
 
 
 async def _run(
@@ -143,9 +235,7 @@ async def _run(
     the Kubernetes credentials of the machine's one pod watcher."""
     ledger, listen_fd, metrics_fd, kube = seat
     hc = hypercorn_config(config)
-    if listen_fd is not None:
-        hc.bind = [f"fd://{listen_fd}"]
-    app = build_app(config, client, nursery, ledger=ledger)
+    app = build_app(config, client, nursery, ledger=ledger, starting=_starts_unknown(config))
     nursery.start_soon(
         _maintain_policies, app.routing, config.policy_settings.eviction_interval_secs
     )
@@ -167,11 +257,6 @@ async def _run(
     if kube is not None:
         await nursery.start(follow_pods, config, kube, app.fleet, app.metrics.registry, nursery)
     metrics_url = None
-    if metrics_fd is None and not isinstance(ledger, MachineLedger):
-        # a single process binds it here (hypercorn closes it at the end); a worker serves the
-        # supervisor's socket or none
-        sock = metrics_socket(config, config.server.backlog)
-        metrics_fd = None if sock is None else sock.detach()
     if metrics_fd is not None:
         metrics_binds: list[str] = await nursery.start(
             _serve_metrics, config, metrics_fd, app.metrics
@@ -196,9 +281,17 @@ async def _run(
         )
         nursery.cancel_scope.cancel()
 
+    assert listen_fd is not None  # run_router bound it
+    hc.bind = [f"fd://{os.dup(listen_fd)}"]  # hypercorn's socket owns (and closes) the copy
     binds: list[str] = await nursery.start(_serve)
-    log.info("listening=%s mode=%s", binds[0], "pd" if config.pd else "regular")
+    log.info("bound=%s serving /health; ready once the servers are", binds[0])
     task_status.started(RunningRouter(binds[0], app.ledger, app, metrics_url))
+
+
+def _starts_unknown(config: RouterConfig) -> bool:
+    """Whether the command line's servers start unknown (no traffic until a probe passes): yes
+    unless nothing would ever probe them (no start-up wait, no health probes)."""
+    return config.health.startup_timeout_secs > 0 or config.health.interval_secs > 0
 
 
 async def _end_requests_at(app: RouterApp, deadline: float, exit_by_deadline: bool) -> None:
@@ -223,31 +316,22 @@ def metrics_socket(config: RouterConfig, backlog: int) -> socket.socket | None:
     """The separate ``/metrics`` listener's socket, bound and listening (see
     :meth:`RouterConfig.metrics_listener`): None when it is turned off, or when vllm-router's
     default port is taken (a warning says so). A port given that cannot be bound raises
-    ``OSError`` naming it."""
+    :class:`~trio_pdrouter.http.BindError` naming it."""
     where = config.metrics_listener()
     if where is None:
         return None
     host, port, required = where
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(backlog)
-    except OSError as exc:
-        sock.close()
+        (sock,) = listening_sockets(host, port, backlog, 1, reuseport=False)
+    except BindError as exc:
         if required:
-            message = f"--prometheus-port: cannot listen on {host}:{port}: {exc.strerror}"
-            raise OSError(exc.errno, message) from None
+            raise BindError(f"--prometheus-port: {exc}") from None
         log.warning(
-            "metrics listener not opened: %s:%d: %s (give --prometheus-port to choose one;"
+            "metrics listener not opened: %s (give --prometheus-port to choose one;"
             " /metrics is on the main port)",
-            host,
-            port,
-            exc.strerror or exc,
+            exc,
         )
         return None
-    sock.set_inheritable(True)
     return sock
 
 
@@ -259,7 +343,7 @@ async def _serve_metrics(
 ) -> None:
     """The separate ``/metrics`` listener on the listening socket ``fd``."""
     hc = hypercorn_config(config)
-    hc.bind = [f"fd://{fd}"]
+    hc.bind = [f"fd://{os.dup(fd)}"]  # hypercorn's socket owns (and closes) the copy
     await serve(cast(Framework, MetricsApp(metrics)), hc, task_status=task_status)
 
 

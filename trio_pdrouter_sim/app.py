@@ -119,6 +119,9 @@ class SimState:
         self._tie_break = 0
         #: HTTP requests received per path, whatever their answer (refused ones included).
         self.received: dict[str, int] = {}
+        #: The ``traceparent`` header of each generation request received (the latest 1000),
+        #: as a vLLM engine would join its spans to it.
+        self.traceparents: deque[str] = deque(maxlen=1000)
         #: Set by the server: runs background tasks (KV expiry) for the server's lifetime.
         self.nursery: trio.Nursery | None = None
         #: Set by the server: closes the listener, reopening after the given seconds if any.
@@ -149,6 +152,7 @@ class SimState:
         self.started_at = trio.current_time()
         self.faults.injected = 0
         self.received.clear()
+        self.traceparents.clear()
 
     def stats(self) -> dict[str, Any]:
         """``GET /sim/stats``: the ground truth. Keys (stable, tests depend on them):
@@ -170,7 +174,9 @@ class SimState:
         * ``connections``: client TCP connections open now (see :mod:`.netinfo`);
         * ``kv_holds``, ``faults_injected``;
         * ``received``: HTTP requests received per path since start or reset, whatever their
-          answer (a 400 included; ``/sim/*`` control routes not counted).
+          answer (a 400 included; ``/sim/*`` control routes not counted);
+        * ``traceparents``: the ``traceparent`` of each generation request received, oldest
+          first (the latest 1000).
         """
         engines = [e.stats() for e in self.engines]
         totals: dict[str, float] = {}
@@ -193,6 +199,7 @@ class SimState:
             "kv_holds": len(self.kv),
             "faults_injected": self.faults.injected,
             "received": dict(self.received),
+            "traceparents": list(self.traceparents),
         }
 
     def metrics_text(self) -> str:
@@ -551,6 +558,9 @@ class SimApp:
             max_model_len=cfg.max_model_len,
         )
         engine = self._engine_for(scope)
+        traceparent = _header(scope, b"traceparent")
+        if traceparent is not None:
+            state.traceparents.append(traceparent)
         try:
             faults = state.faults.faults_for(
                 "prefill" if req.remote_decode else "decode", _header(scope, b"x-sim-fault")

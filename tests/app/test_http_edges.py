@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 import trio
 import trio.testing
 
@@ -33,7 +34,9 @@ async def test_upstreams_are_asked_for_uncompressed_answers(background: trio.Nur
     assert [r.headers["accept-encoding"] for r in upstream.requests] == ["identity", "identity"]
 
 
-async def test_a_stream_answered_as_plain_text_is_a_502(background: trio.Nursery) -> None:
+async def test_a_stream_answered_as_plain_text_is_a_502(
+    background: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
     async def plain(request: httpx.Request) -> httpx.Response:
         if request.url.host == "prefill":
             return json_response(PREFILL_ANSWER)
@@ -44,12 +47,14 @@ async def test_a_stream_answered_as_plain_text_is_a_502(background: trio.Nursery
 
     app, upstream = make_app(pd_config(), plain, background)
     ex = await call(app, "POST", "/v1/completions", REQUEST)
-    assert ex.status == 502 and "text/plain" in ex.json()["error"]["message"]
+    message = ex.json()["error"]["message"]
+    assert ex.status == 502 and "the decode upstream gave an answer the router cannot" in message
+    assert "a stream answered as text/plain" in caplog.text  # the cause, for the operator
     assert upstream.bodies[0].closed
 
 
 async def test_an_upstream_event_that_never_ends_ends_the_stream_with_an_error(
-    background: trio.Nursery,
+    background: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
     limit = 64 * 1024
 
@@ -67,7 +72,8 @@ async def test_an_upstream_event_that_never_ends_ends_the_stream_with_an_error(
     assert ex.status == 200
     first, error, done = ex.body.split(b"\n\n", 2)
     assert first == b'data: {"choices":[]}'
-    assert b"grew past" in error and done == b"data: [DONE]\n\n"
+    assert b"cannot use" in error and done == b"data: [DONE]\n\n"
+    assert "grew past" in caplog.text
     assert b"xxxx" not in ex.body
     assert upstream.bodies[0].closed
     assert app.ledger.total() == 0
@@ -143,7 +149,7 @@ async def test_without_the_key_no_route_can_be_told_apart(background: trio.Nurse
 
 
 async def test_an_answer_past_the_cap_is_a_502_not_a_memory_spike(
-    background: trio.Nursery,
+    background: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
     async def huge(request: httpx.Request) -> httpx.Response:
         if request.url.host == "prefill":
@@ -158,7 +164,8 @@ async def test_an_answer_past_the_cap_is_a_502_not_a_memory_spike(
     app, upstream = make_app(config, huge, background)
     for request in ({"prompt": "x"}, REQUEST):  # buffered, then a stream's error body
         ex = await call(app, "POST", "/v1/completions", request)
-        assert ex.status == 502 and "larger than 4096 bytes" in ex.json()["error"]["message"]
+        assert ex.status == 502 and "cannot use" in ex.json()["error"]["message"]
+        assert "larger than 4096 bytes" in caplog.text
     await trio.testing.wait_all_tasks_blocked()  # the KV reclaims (background) end too
     assert all(body.closed and not body.read_to_end for body in upstream.bodies)
 

@@ -123,6 +123,7 @@ async def test_removal_stops_new_traffic_and_waits_for_in_flight_requests(
             admin_from_loopback=True,
             decode_urls=("http://decode:8200", "http://decode2:9000"),
             policy="round_robin",
+            expose_routing_headers=True,
         ),
         handler,
         background,

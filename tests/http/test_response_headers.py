@@ -69,7 +69,9 @@ async def test_an_engine_500_reaches_the_client_unchanged(
         headers = {"content-type": "application/json", "x-engine-note": "sorry"}
         return httpx.Response(500, headers=headers, content=ENGINE_ERROR)
 
-    app, upstream = make_app(pd_config(retry=retry), handler, background)
+    app, upstream = make_app(
+        pd_config(retry=retry, expose_routing_headers=True), handler, background
+    )
     ex = await call(app, "POST", "/v1/completions", REQUEST)
     assert ex.status == 500
     assert bytes(ex.body) == ENGINE_ERROR
@@ -110,7 +112,7 @@ async def test_custom_engine_headers_reach_the_client_of_a_stream(
         body.end()
         return response
 
-    app, _ = make_app(pd_config(), handler, background)
+    app, _ = make_app(pd_config(expose_routing_headers=True), handler, background)
     ex = await call(app, "POST", "/v1/completions", REQUEST)
     assert bytes(ex.body) == EVENT + DONE
     assert ex.headers["x-engine-note"] == "from decode"

@@ -43,7 +43,7 @@ def test_any_split_of_a_stream_relays_exactly_the_whole_events(cuts: list[int]) 
 
 
 def test_error_event_is_an_openai_error_then_done() -> None:
-    payload = error_event(errors.upstream_failed("decode", "http://d:1", "reset"))
+    payload = error_event(errors.upstream_failed("decode", "dropped the connection"))
     first, rest = payload.split(b"\n\n", 1)
     assert first.startswith(b"data: ")
     body = orjson.loads(first[len(b"data: ") :])

@@ -52,6 +52,7 @@ async def rig(n: int = 2, sim: SimConfig = SIM, **router: Any) -> AsyncIterator[
             prometheus_listener=False,
             policy="kv_aware",
             admin_from_loopback=True,  # /debug/kv-index
+            expose_routing_headers=True,  # the tests read which engine served and its kv note
             kv_events=KvEventSettings(
                 sources=tuple(sources),
                 replay_sources=tuple(replays),

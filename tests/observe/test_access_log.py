@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
 import functools
+import io
 import logging
 import re
+import subprocess
+import sys
 
 import httpx
 import orjson
@@ -22,7 +26,8 @@ from tests.harness import (
     pd_config,
     streaming,
 )
-from trio_pdrouter.observe import RequestRecord, access_line
+from trio_pdrouter.config import RetrySettings
+from trio_pdrouter.observe import JsonLines, RequestRecord, access_line, usage_of
 
 FIELDS = [
     "request_id",
@@ -37,8 +42,14 @@ FIELDS = [
     "total_ms",
     "bytes",
     "retries",
+    "client",
+    "model",
+    "prompt_tokens",
+    "completion_tokens",
 ]
 
+#: Fields the text line has only when they happened; the JSON object always.
+OPTIONAL = ["kv", "failed_stage", "failed_upstream", "cause"]
 
 PAIR = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|[^\s"]*)(?: |$)')
 
@@ -79,6 +90,10 @@ def test_line_has_every_field_in_order_and_dashes_for_what_did_not_happen() -> N
         "total_ms": "0.2",
         "bytes": "0",
         "retries": "0",
+        "client": "-",
+        "model": "-",
+        "prompt_tokens": "-",
+        "completion_tokens": "-",
     }
 
 
@@ -106,7 +121,7 @@ async def test_one_line_per_streamed_pd_request_matching_the_headers(
         body.end()
         return response
 
-    app, _ = make_app(pd_config(), handler, background)
+    app, _ = make_app(pd_config(expose_routing_headers=True), handler, background)
     caplog.set_level(logging.INFO, logger="trio_pdrouter.access")
     ex = await call(app, "POST", "/v1/completions", REQUEST, headers={"x-request-id": "req-42"})
     assert ex.status == 200
@@ -178,3 +193,149 @@ async def test_a_rejected_request_is_logged_too(
         "-",
     )
     assert fields["bytes"] == str(len(ex.body))
+
+
+USAGE_EVENT = b'data: {"choices":[],"usage":{"prompt_tokens":11,"completion_tokens":7}}\n\n'
+
+
+async def test_the_line_names_the_client_the_model_and_the_answers_token_counts(
+    caplog: pytest.LogCaptureFixture, background: trio.Nursery
+) -> None:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "prefill":
+            return json_response(PREFILL_ANSWER)
+        response, body = streaming()
+        body.push(EVENT)
+        body.push(USAGE_EVENT)
+        body.push(b"data: [DONE]\n\n")
+        body.end()
+        return response
+
+    app, _ = make_app(pd_config(), handler, background)
+    caplog.set_level(logging.INFO, logger="trio_pdrouter.access")
+    ex = await call(app, "POST", "/v1/completions", REQUEST, client=("10.9.8.7", 50123))
+    assert ex.status == 200
+    [line] = access_lines(caplog)
+    fields = parse(line)
+    assert (fields["client"], fields["model"]) == ("10.9.8.7:50123", "m")
+    assert (fields["prompt_tokens"], fields["completion_tokens"]) == ("11", "7")
+    assert "failed_stage" not in fields and "cause" not in fields
+
+
+@pytest.mark.parametrize(
+    ("tail", "counts"),
+    [
+        (
+            b'{"id":"c","choices":[],"usage":{"prompt_tokens":3,"total_tokens":5,'
+            b'"completion_tokens":2}}',
+            (3, 2),
+        ),
+        (b'{"output":[],"usage":{"input_tokens":9,"output_tokens":4}}', (9, 4)),
+        (b'data: {"choices":[{"text":"x"}]}\n\ndata: [DONE]\n\n', (None, None)),
+        (b'{"usage":{"prompt_tokens":1}}', (1, None)),
+    ],
+)
+def test_usage_is_read_from_the_last_bytes_sent(
+    tail: bytes, counts: tuple[int | None, int | None]
+) -> None:
+    assert usage_of(tail) == counts
+
+
+async def test_a_failed_request_is_a_warning_naming_its_stage_upstream_and_cause(
+    caplog: pytest.LogCaptureFixture, background: trio.Nursery
+) -> None:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "prefill":
+            return json_response(PREFILL_ANSWER)
+        raise httpx.ConnectError("connect to decode:8200 failed: refused")
+
+    app, _ = make_app(pd_config(retry=RetrySettings(max_retries=1)), handler, background)
+    caplog.set_level(logging.WARNING, logger="trio_pdrouter.access")  # as --log-level warning
+    ex = await call(app, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert ex.status == 502
+    [record] = [r for r in caplog.records if r.name == "trio_pdrouter.access"]
+    assert record.levelno == logging.WARNING
+    fields = parse(record.getMessage())
+    assert (fields["outcome"], fields["failed_stage"]) == ("upstream_error", "decode")
+    assert fields["failed_upstream"] == "http://decode:8200"
+    assert fields["cause"] == "connect: ConnectError: connect to decode:8200 failed: refused"
+
+
+async def test_an_answered_request_stays_at_info(
+    caplog: pytest.LogCaptureFixture, background: trio.Nursery
+) -> None:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "prefill":
+            return json_response(PREFILL_ANSWER)
+        return json_response({"choices": [{"text": "ok"}]})
+
+    app, _ = make_app(pd_config(), handler, background)
+    caplog.set_level(logging.WARNING, logger="trio_pdrouter.access")
+    assert (await call(app, "POST", "/v1/completions", {"prompt": "x"})).status == 200
+    assert access_lines(caplog) == []
+
+
+async def test_json_lines_have_stable_keys_typed_values_and_utc_times(
+    background: trio.Nursery,
+) -> None:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "prefill":
+            return json_response(PREFILL_ANSWER)
+        answer = {
+            "choices": [{"text": "ok"}],
+            "usage": {"prompt_tokens": 4, "completion_tokens": 1},
+        }
+        return json_response(answer)
+
+    stream = io.StringIO()
+    handler_ = logging.StreamHandler(stream)
+    handler_.setFormatter(JsonLines())
+    access = logging.getLogger("trio_pdrouter.access")
+    access.addHandler(handler_)
+    access.setLevel(logging.INFO)
+    try:
+        app, _ = make_app(pd_config(), handler, background)
+        await call(app, "POST", "/v1/completions", {"prompt": "x"}, headers={"x-request-id": "j1"})
+        logging.getLogger("trio_pdrouter.other").addHandler(handler_)
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            logging.getLogger("trio_pdrouter.other").exception("it broke")
+    finally:
+        access.removeHandler(handler_)
+        access.setLevel(logging.NOTSET)
+        logging.getLogger("trio_pdrouter.other").removeHandler(handler_)
+    first, second = (orjson.loads(line) for line in stream.getvalue().splitlines())
+    assert list(first)[:4] == ["ts", "level", "logger", "message"]
+    when = datetime.datetime.fromisoformat(first["ts"].replace("Z", "+00:00"))
+    assert when.utcoffset() == datetime.timedelta(0) and first["ts"].endswith("Z")
+    assert (first["level"], first["logger"], first["message"]) == (
+        "info",
+        "trio_pdrouter.access",
+        "access",
+    )
+    assert list(first)[4:] == [*FIELDS[:12], *FIELDS[12:], *OPTIONAL]
+    assert (first["request_id"], first["status"], first["stream"]) == ("j1", 200, False)
+    assert (first["prompt_tokens"], first["completion_tokens"], first["cause"]) == (4, 1, None)
+    assert isinstance(first["total_ms"], float)
+    assert (second["level"], second["message"]) == ("error", "it broke")
+    assert "ValueError: boom" in second["exception"]
+
+
+def test_the_command_line_logs_json_lines() -> None:
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "trio_pdrouter", "--port", "0", "--log-format", "json"),
+            *("--worker-urls", "http://127.0.0.1:9", "--worker-startup-timeout-secs", "0.3"),
+            *("--worker-startup-check-interval", "0.1", "--engine-metrics-interval", "0"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    *lines, last = done.stderr.strip().splitlines()
+    assert last.startswith("trio-pdrouter: 1 server(s) did not become healthy")
+    objects = [orjson.loads(line) for line in lines]
+    assert objects and all(list(o)[:4] == ["ts", "level", "logger", "message"] for o in objects)
+    assert any(o["message"].startswith("bound=http://127.0.0.1:") for o in objects)

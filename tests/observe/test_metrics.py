@@ -18,6 +18,7 @@ from tests.harness import call, json_response, make_app, pd_config
 from tests.serve.test_integration_pd import CHAT, COMPLETION
 from trio_pdrouter.config import ConfigError, RouterConfig
 from trio_pdrouter.endpoints import Endpoint, Role
+from trio_pdrouter.http import BindError
 from trio_pdrouter.ledger import LoadLedger
 from trio_pdrouter.observe import CONTENT_TYPE, RequestRecord, RouterMetrics
 from trio_pdrouter.server import metrics_socket
@@ -172,7 +173,7 @@ async def test_retried_prefill_errors_are_counted_in_memory(
 
 async def test_metrics_move_under_traffic_against_simulators() -> None:
     async with trio.open_nursery() as nursery:
-        c = await start_cluster(nursery, dp_size=2)
+        c = await start_cluster(nursery, dp_size=2, expose_routing_headers=True)
         for route, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
             for stream in (True, False, True):
                 resp = await c.client.post(
@@ -246,7 +247,7 @@ def test_the_default_listener_is_vllm_routers_port_and_gives_way_when_taken(
         holder.listen()
     try:
         assert metrics_socket(config, 16) is None
-        assert "metrics listener not opened: 127.0.0.1:29000" in caplog.text
+        assert "metrics listener not opened: cannot listen on 127.0.0.1:29000" in caplog.text
     finally:
         holder.close()
 
@@ -258,7 +259,9 @@ def test_a_given_metrics_port_must_open_and_the_listener_can_be_turned_off() -> 
     port = holder.getsockname()[1]
     try:
         config = RouterConfig(worker_urls=("http://w:1",), prometheus_port=port)
-        with pytest.raises(OSError, match=f"--prometheus-port: cannot listen on 127.0.0.1:{port}"):
+        with pytest.raises(
+            BindError, match=f"--prometheus-port: cannot listen on 127.0.0.1:{port}"
+        ):
             metrics_socket(config, 16)
     finally:
         holder.close()

@@ -50,7 +50,7 @@ async def test_pd_roundtrip_pulls_kv_on_decode(route: str, stream: bool) -> None
 
 async def test_dp_rank_header_reaches_the_chosen_engine() -> None:
     async with trio.open_nursery() as nursery:
-        c = await start_cluster(nursery, dp_size=4)
+        c = await start_cluster(nursery, dp_size=4, expose_routing_headers=True)
         for _ in range(8):
             resp = await c.client.post(
                 c.url + "/v1/completions", json={**COMPLETION, "max_tokens": 2}
@@ -121,9 +121,12 @@ async def test_prefill_connection_refused_becomes_502() -> None:
         c = await start_cluster(nursery)
         c.prefill[0].down()
         await eventually(lambda: _refused(c.prefill[0].url))
-        resp = await c.client.post(c.url + "/v1/completions", json=COMPLETION)
+        resp = await c.client.post(
+            c.url + "/v1/completions", json=COMPLETION, headers={"x-request-id": "r-502"}
+        )
         assert resp.status_code == 502
-        assert "ConnectError" in resp.json()["error"]["message"]
+        message = resp.json()["error"]["message"]
+        assert message == "the prefill upstream could not be reached (request id r-502)"
         assert c.router.ledger.total() == 0
         nursery.cancel_scope.cancel()
 

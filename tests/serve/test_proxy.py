@@ -44,7 +44,7 @@ async def test_pd_stream_shapes_both_legs_and_holds_decode_load_until_the_last_b
         decode_bodies.append(body)
         return response
 
-    app, upstream = make_app(pd_config(), handler, background)
+    app, upstream = make_app(pd_config(expose_routing_headers=True), handler, background)
     ex = Exchange()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(
@@ -208,7 +208,7 @@ async def test_client_disconnect_closes_upstream_and_releases_everything(
 
 
 async def test_decode_failure_mid_stream_ends_with_error_event_and_done(
-    background: trio.Nursery,
+    background: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
     handler = StreamingDecode()
     bodies = handler.bodies
@@ -216,7 +216,11 @@ async def test_decode_failure_mid_stream_ends_with_error_event_and_done(
     app, _ = make_app(pd_config(), handler, background)
     ex = Exchange()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(lambda: call(app, "POST", "/v1/completions", REQUEST, exchange=ex))
+        nursery.start_soon(
+            lambda: call(
+                app, "POST", "/v1/completions", REQUEST, headers={"x-request-id": "r1"}, exchange=ex
+            )
+        )
         await ex.started.wait()
         bodies[0].push(EVENT + b'data: {"choices":[{"te')  # a partial event, then the reset
         await trio.testing.wait_all_tasks_blocked()
@@ -225,11 +229,19 @@ async def test_decode_failure_mid_stream_ends_with_error_event_and_done(
     assert body.startswith(EVENT) and body.endswith(DONE) and ex.complete
     events = body.split(b"\n\n")
     error = orjson.loads(events[1][len(b"data: ") :])
-    assert error["error"]["code"] == 502 and "reset" in error["error"]["message"]
+    assert error["error"] == {
+        "message": "the decode upstream dropped the connection (request id r1)",
+        "type": "upstream_error",
+        "param": None,
+        "code": 502,
+    }
+    assert "connection reset" in caplog.text  # the log keeps what the client is not told
     assert total_load(app) == 0
 
 
-async def test_stream_that_ends_without_done_is_reported(background: trio.Nursery) -> None:
+async def test_stream_that_ends_without_done_is_reported(
+    background: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "prefill":
             return json_response(PREFILL_ANSWER)
@@ -241,7 +253,8 @@ async def test_stream_that_ends_without_done_is_reported(background: trio.Nurser
     app, _ = make_app(pd_config(), handler, background)
     ex = await call(app, "POST", "/v1/completions", REQUEST)
     assert bytes(ex.body).startswith(EVENT) and bytes(ex.body).endswith(DONE)
-    assert b"without [DONE]" in bytes(ex.body)
+    assert b"the decode upstream gave an answer the router cannot use" in bytes(ex.body)
+    assert "without [DONE]" in caplog.text
     assert total_load(app) == 0
 
 

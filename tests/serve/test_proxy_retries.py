@@ -40,7 +40,9 @@ async def test_prefill_5xx_is_retried_on_another_endpoint(
             return json_response(PREFILL_ANSWER)
         return json_response({"choices": [{"text": "ok"}]})
 
-    app, upstream = make_app(pd_config(**TWO_PREFILLS), handler, background)
+    app, upstream = make_app(
+        pd_config(**TWO_PREFILLS, expose_routing_headers=True), handler, background
+    )
     for _ in range(4):
         ex = await call(app, "POST", "/v1/completions", {"prompt": "x"})
         assert ex.status == 200

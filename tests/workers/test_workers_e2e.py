@@ -342,11 +342,13 @@ async def test_two_thousand_servers_added_and_removed_leave_every_worker_serving
         nursery.cancel_scope.cancel()
 
 
-async def test_during_the_drain_a_new_connection_is_refused_as_by_one_process() -> None:
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_during_the_drain_a_new_connection_is_refused(workers: int) -> None:
     async with trio.open_nursery() as nursery:
         sims = await start_sims(nursery, itl=0.05)
-        sup = await start_supervisor(nursery, 2, pd_args(sims, "--policy", "round_robin"))
-        await sup.wait_for(lambda: len(sup.pids) == 2, 30)
+        sup = await start_supervisor(nursery, workers, pd_args(sims, "--policy", "round_robin"))
+        if workers > 1:
+            await sup.wait_for(lambda: len(sup.pids) == workers, 30)
         release = trio.Event()
         await hold_streams(nursery, sup.url, 4, 2000, release)  # the workers drain these
         host, port = sup.url.removeprefix("http://").rsplit(":", 1)

@@ -20,7 +20,7 @@ import trio
 from .. import __version__
 from ..config import RouterConfig, effective
 from ..endpoints import Role
-from ..fleet import DuplicateServer, EngineTruth, Fleet, FleetFull
+from ..fleet import DuplicateServer, EngineTruth, Fleet, FleetFull, StartupStatus
 from ..http import Receive, Reply, Scope, Send, errors
 from ..kv import KvEvents
 from ..ledger import LoadLedger, PeerLoads, Snapshot, cluster_view
@@ -56,6 +56,7 @@ class AdminRoutes:
         engine_truth: EngineTruth | None,
         peers: PeerLoads | None,
         kv_events: KvEvents | None,
+        startup: StartupStatus,
     ) -> None:
         self._config = config
         self._fleet = fleet
@@ -66,6 +67,7 @@ class AdminRoutes:
         self._engine_truth = engine_truth
         self._peers = peers
         self._kv_events = kv_events
+        self._startup = startup
 
     def routes(self) -> dict[str, dict[str, Handler]]:
         """Path -> method -> handler of every admin route but ``DELETE /workers/{url}``
@@ -88,6 +90,13 @@ class AdminRoutes:
         await send_reply(send, Reply.json(b'{"status":"ok"}'))
 
     async def _readiness(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """503 while the start-up wait has servers to see healthy (named), or while a role has no
+        endpoint that health (real probes: unknown is not healthy) and the breakers admit."""
+        awaited = self._startup.awaited(lambda url: self._fleet.health(url) == "healthy")
+        if awaited:
+            body = orjson.dumps({"status": "starting", "waiting_for": awaited})
+            await send_reply(send, Reply.json(body, status=503))
+            return
         missing = [role.value for role in self._routing.roles if not self._routing.candidates(role)]
         if missing:
             body = orjson.dumps({"status": "not_ready", "no_healthy_endpoint": missing})

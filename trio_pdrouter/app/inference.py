@@ -16,7 +16,7 @@ import trio
 from ..config import RouterConfig
 from ..http import ROUTES, Receive, Reply, Route, Scope, Send, errors
 from ..ledger import token_count
-from ..observe import RequestRecord, RouterMetrics, access_line
+from ..observe import ACCESS, RequestRecord, RouterMetrics, access_fields, access_line
 from ..routing import PromptTokens, routing_key
 from ..serve import ContextCheck, Inference, Proxy, bodies, sampling
 from .request_body import BadRequest, read_body, send_reply
@@ -72,6 +72,7 @@ class InferenceRoutes:
                 outcome="bad_request",
                 total_ms=(trio.current_time() - started) * 1000,
                 bytes_out=len(reply.body),
+                client=client_address(scope),
             )
         else:
             if inference is None:  # the client left while sending its body: nobody to answer
@@ -86,9 +87,12 @@ class InferenceRoutes:
             self._account(req.record())
 
     def _account(self, record: RequestRecord) -> None:
-        """One access line and the metrics of one request."""
-        if log.isEnabledFor(logging.INFO):
-            log.info("%s", access_line(record))
+        """One access line and the metrics of one request: at warning when the router or an
+        upstream failed it (so ``--log-level warning`` still shows failures), else at info."""
+        level = logging.WARNING if record.failed else logging.INFO
+        if log.isEnabledFor(level):
+            fields = {ACCESS: access_fields(record)}
+            log.log(level, "%s", access_line(record), extra=fields)
         self._metrics.observe_request(record)
 
     async def _parse(
@@ -132,7 +136,17 @@ class InferenceRoutes:
             request_id=bodies.request_id(headers, self._config.request_id_headers),
             key=key,
             priority=token_count(body.get("priority", 0)) or 0,
+            client=client_address(scope),
         )
+
+
+def client_address(scope: Scope) -> str | None:
+    """``host:port`` of the client as the server saw it (``[v6]:port``), for the access log."""
+    client = scope.get("client")
+    if not client:
+        return None
+    host, port = client[0], client[1]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
 
 
 def nested_deeper_than(value: Any, limit: int) -> bool:

@@ -7,8 +7,9 @@ keys, request smuggling. Then the inference routes (:mod:`.inference`) or the ad
 Two keys, two audiences. ``--api-key`` is the clients': every route but the open ones
 (:data:`OPEN_ROUTES`) needs it. The routes that change the router — ``POST /workers``, ``DELETE
 /workers/...`` — and those that show its insides, ``/admin/*`` and ``/debug/*``, need
-``--admin-api-key``'s key instead (the clients' key never opens them); without an admin key they are off (403), unless ``--admin-from-loopback`` lets a peer
-on 127.0.0.0/8 or ::1 in (the TCP peer: a proxy on the same host counts as loopback).
+``--admin-api-key``'s key instead (the clients' key never opens them); without an admin key
+they are off (403), unless ``--admin-from-loopback`` lets a peer on 127.0.0.0/8 or ::1 in (the
+TCP peer: a proxy on the same host counts as loopback).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import hmac
 import ipaddress
 
 from ..config import RouterConfig
-from ..fleet import EngineTruth, Fleet, HealthBoard, Verdicts
+from ..fleet import EngineTruth, Fleet, HealthBoard, StartupStatus, Verdicts
 from ..http import ROUTES, Cors, Receive, Reply, Scope, Send, answer_lifespan, errors, origin_of
 from ..kv import KvEvents
 from ..ledger import LoadLedger, PeerLoads
@@ -63,6 +64,7 @@ class RouterApp:
         context: ContextCheck | None,
         inference: InferenceRoutes,
         admin: AdminRoutes,
+        startup: StartupStatus,
     ) -> None:
         self._config = config
         self._cors = Cors(config.cors_allowed_origins)
@@ -85,6 +87,9 @@ class RouterApp:
         self.kv_events = kv_events
         #: Refuses prompts no candidate could hold (None with --no-check-context-length).
         self.context = context
+        #: The start-up wait for the command line's servers (run by
+        #: :func:`~trio_pdrouter.server.run_router`).
+        self.startup = startup
         self._inference = inference
         self._admin = admin
         self.routes: dict[str, dict[str, Handler]] = self._admin.routes()

@@ -18,7 +18,11 @@ class ServerSettings:
     """How hypercorn listens."""
 
     host: str = setting("127.0.0.1", Flag("--host", Group.LISTENING, "address to listen on"))
-    port: int = setting(30000, Flag("--port", Group.LISTENING, "port to listen on", type=int))
+    port: int = setting(
+        30000,
+        Flag("--port", Group.LISTENING, "port to listen on (0: any free port)", type=int),
+        check=must(lambda p: 0 <= p <= 65535, "must be a port number, 0 to 65535"),
+    )
     backlog: int = setting(2048, Flag("--backlog", Group.LISTENING, "listen backlog", type=int))
     keep_alive_timeout: float = setting(
         75.0,

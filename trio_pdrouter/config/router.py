@@ -388,12 +388,54 @@ class RouterConfig:
             choices=LOG_LEVELS,
         ),
     )
+    otlp_traces_endpoint: str | None = setting(
+        None,
+        Flag(
+            "--otlp-traces-endpoint",
+            Group.OBSERVABILITY,
+            "export a span per request and per upstream call to this OTLP/HTTP collector"
+            " (http://host:4318, or its full /v1/traces URL), and send each engine the"
+            " traceparent of its call; OTEL_* variables configure the exporter. Needs the"
+            " otel extra (pip install 'trio-pdrouter[otel]')",
+        ),
+    )
+    otlp_traces_sample_ratio: float = setting(
+        1.0,
+        Flag(
+            "--otlp-traces-sample-ratio",
+            Group.OBSERVABILITY,
+            "share of new traces sampled (0 to 1); a client's traceparent decides for its own",
+            type=float,
+        ),
+        check=must(lambda r: 0.0 <= r <= 1.0, "must be between 0 and 1"),
+    )
+    log_format: str = setting(
+        "text",
+        Flag(
+            "--log-format",
+            Group.OBSERVABILITY,
+            "text: one line of key=value pairs per event; json: one JSON object per line"
+            " (ts in UTC, level, logger, message, and each access line's fields as keys)",
+            choices=("text", "json"),
+        ),
+    )
     log_dir: str | None = setting(
         None,
         Flag(
             "--log-dir",
             Group.OBSERVABILITY,
             "also write the log to <dir>/trio-pdrouter.<YYYY-MM-DD>, a file per UTC day",
+        ),
+    )
+    expose_routing_headers: bool = setting(
+        False,
+        Flag(
+            "--expose-routing-headers",
+            Group.OBSERVABILITY,
+            "add x-trio-pdrouter-prefill/-decode/-worker (the endpoints chosen, internal"
+            " addresses) and x-trio-pdrouter-kv to every answer; off: a client sees x-request-id"
+            " only",
+            action="store_true",
         ),
     )
     prometheus_host: str = setting(

@@ -16,7 +16,7 @@ from .engine_truth import EngineLoad, EngineTruth, ScrapeError, endpoint_loads, 
 from .health import HealthBoard, Verdicts
 from .model_limits import ModelLimits
 from .servers import API, DuplicateServer, Fleet, FleetFull, MachineServers, Origin, PodRef
-from .startup import StartupTimeout, wait_until_healthy
+from .startup import StartupStatus, StartupTimeout, wait_until_healthy
 from .verdicts import PROBER_ROW, MachineVerdicts
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "Origin",
     "PodRef",
     "ScrapeError",
+    "StartupStatus",
     "StartupTimeout",
     "Verdicts",
     "endpoint_loads",

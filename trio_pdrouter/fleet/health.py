@@ -19,9 +19,12 @@ URL states::
     PENDING     failure    -                                          PENDING
     PENDING     success    -                                          HEALTHY
 
-URLs given at start-up begin HEALTHY, so the router serves at once. URLs added at run time
-(``POST /workers``) begin PENDING: they take no traffic until their first probe succeeds, and
-that probe is sent as soon as they are added. Only HEALTHY admits traffic.
+URLs added at run time (``POST /workers``) begin PENDING: they take no traffic until their
+first probe succeeds, and that probe is sent as soon as they are added. So do the URLs given at
+start-up when the router runs (:func:`~trio_pdrouter.server.run_router`): unknown is not healthy;
+the start-up wait's probes (:meth:`HealthBoard.confirm`) or the first health probe admit them.
+Only with neither (health probes off and no start-up wait) do they begin HEALTHY. Only HEALTHY
+admits traffic.
 
 Health decides which endpoints routing may choose, nothing else: it never touches the load
 ledger, so requests already running on an endpoint that turns unhealthy release their load as
@@ -132,6 +135,13 @@ class HealthBoard:
         probe = self._watch(url, Health.HEALTHY if healthy else Health.PENDING)
         if self._nursery is not None and self._client is not None:
             self._nursery.start_soon(self._probe_forever, self._client, url, probe)
+
+    def confirm(self, url: str) -> None:
+        """A probe made elsewhere (the start-up wait) found ``url`` healthy: a PENDING URL is
+        admitted; any other state follows its own probes."""
+        probe = self._probes.get(url)
+        if probe is not None and probe.health is Health.PENDING:
+            self._record(url, probe, True)
 
     def remove_url(self, url: str) -> None:
         """Stop watching ``url``; its endpoints are no longer admitted. No callback is made."""

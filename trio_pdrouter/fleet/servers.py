@@ -187,6 +187,8 @@ class Fleet:
         self._applied = 0
         self._origins: dict[str, Origin] = {}
         self._static: set[ServerKey] = set()
+        #: Whether the command line's servers take traffic before a probe passed.
+        self._static_serving = True
         #: With a log: the servers the machine wants as of ``_applied``.
         self._wanted: dict[ServerKey, Origin] = {}
 
@@ -205,6 +207,10 @@ class Fleet:
     def servers(self) -> list[ServerKey]:
         """Every server, in routing order."""
         return list(dict.fromkeys((ep.role, ep.url) for ep in self.endpoints()))
+
+    def health(self, url: str) -> str | None:
+        """The health of the server at ``url`` (see :meth:`HealthBoard.health`)."""
+        return self._health.health(url)
 
     def origin(self, url: str) -> Origin | None:
         """Where the server at ``url`` came from; None if there is none."""
@@ -277,15 +283,17 @@ class Fleet:
                     self._catch_up()
             await trio.sleep(interval)
 
-    def add_at_start(self, url: str, role: Role) -> tuple[Endpoint, ...]:
-        """A server of the command line, serving at once. Every worker of ``--workers N`` starts
-        with them, so they are not logged; there :meth:`catch_up` adds them, unless the
-        machine's log says they were removed since."""
+    def add_at_start(self, url: str, role: Role, *, serving: bool = True) -> tuple[Endpoint, ...]:
+        """A server of the command line; ``serving=False``: unknown until a probe passes (see
+        :mod:`.health`). Every worker of ``--workers N`` starts with them, so they are not
+        logged; there :meth:`catch_up` adds them, unless the machine's log says they were
+        removed since."""
         planned = self._planned(url, role)
         key = (role, planned[0].url)
         self._static.add(key)
+        self._static_serving = serving
         if self._log is None:
-            return self._add(planned, True, STATIC)
+            return self._add(planned, serving, STATIC)
         self._wanted[key] = STATIC
         return planned
 
@@ -324,7 +332,8 @@ class Fleet:
             except FleetFull as exc:  # only if a dead worker's servers were reclaimed meanwhile
                 log.error("server url=%s role=%s not followed: %s", url, role.value, exc)
                 continue
-            self._add(added, origin == STATIC, origin)  # the command line's serve at once
+            # The command line's start as they would in a single process; others wait for a probe.
+            self._add(added, origin == STATIC and self._static_serving, origin)
 
     def _publish(self, changes: list[str]) -> None:
         assert self._log is not None
@@ -447,6 +456,7 @@ class Fleet:
                 "role": ep.role.value,
                 "rank": ep.rank,
                 "healthy": health.is_healthy(ep),
+                "health": health.health(ep.url),
                 "circuit": breakers.state(ep),
                 "routable": ep in routable,
                 "load": ledger.load(ep),

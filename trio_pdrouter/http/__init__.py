@@ -4,7 +4,8 @@ The client side of an exchange as ASGI gives it (:mod:`.asgi`); every error in t
 one constructor per kind (:mod:`.errors`); server-sent events as vLLM writes them (:mod:`.sse`);
 which upstream headers reach the client; CORS; the table of routes and what each means for the
 PD split; the changes made to hypercorn's trio worker once at start-up, with the connection
-handle the request path reads; and :class:`LegClient`, the httpx client every leg uses over
+handle the request path reads; binding the listening sockets first (:mod:`.listen`); and
+:class:`LegClient`, the httpx client every leg uses over
 :mod:`trio_pdrouter.transport`, with its time limits and capped reads.
 
 Contract: shapes and I/O helpers, no routing or load. May import the config, the endpoints and
@@ -22,6 +23,7 @@ from .hypercorn_patches import (
     expose_connections,
     serve_http1_only,
 )
+from .listen import BindError, listening_sockets
 from .response_headers import passed_on, with_default
 from .routes import GENERATE, RESPONSES, ROUTES, Route
 from .sse import DONE, EventFramer, EventTooLarge, error_event
@@ -44,6 +46,7 @@ __all__ = [
     "ROUTES",
     "Answer",
     "AnswerTooLarge",
+    "BindError",
     "Connection",
     "Cors",
     "Downstream",
@@ -63,6 +66,7 @@ __all__ = [
     "current_connection",
     "error_event",
     "expose_connections",
+    "listening_sockets",
     "make_client",
     "origin_of",
     "passed_on",

@@ -52,6 +52,8 @@ class Downstream:
     """
 
     __slots__ = (
+        "_before_last",
+        "_last",
         "_send",
         "bytes_sent",
         "first_chunk_at",
@@ -70,6 +72,7 @@ class Downstream:
         self.first_chunk_at: float | None = None
         self.sending = False
         self.sends_done = 0
+        self._last = self._before_last = b""
 
     async def _out(self, message: Message) -> None:
         self.sending = True
@@ -88,6 +91,8 @@ class Downstream:
         if self.first_chunk_at is None:
             self.first_chunk_at = trio.current_time()
         self.bytes_sent += len(data)
+        if data:
+            self._before_last, self._last = self._last, data
         await self._out({"type": "http.response.body", "body": data, "more_body": True})
 
     async def finish(self, reply: Reply) -> None:
@@ -95,7 +100,14 @@ class Downstream:
         if not self.started:
             await self.start(reply.status, reply.headers)
         self.bytes_sent += len(reply.body)
+        if reply.body:
+            self._before_last, self._last = self._last, reply.body
         await self._out({"type": "http.response.body", "body": reply.body, "more_body": False})
+
+    def tail(self) -> bytes:
+        """The last two non-empty body messages sent: where an answer's ``usage`` is (see
+        :func:`trio_pdrouter.observe.usage_of`)."""
+        return self._before_last + self._last
 
 
 async def answer_lifespan(receive: Receive, send: Send) -> None:

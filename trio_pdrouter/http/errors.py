@@ -4,6 +4,10 @@
 shape vLLM uses, so clients handle a router error and an engine error alike. Before the first
 response byte an error is a JSON response with :attr:`RouterError.status`; after it, the same
 object travels as an SSE event (:func:`trio_pdrouter.http.sse.error_event`).
+
+Nothing internal reaches a client: an upstream's failure says which stage failed and how, never
+the upstream's address or the exception; the request's answer adds its request id
+(:meth:`RouterError.for_request`), and the router's log keeps the detail.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ class RouterError:
     #: Seconds for a ``Retry-After`` header (every 429 the router produces has one, and the
     #: 503 of a shutdown).
     retry_after: int | None = None
+
+    def for_request(self, request_id: str) -> RouterError:
+        """The same error naming the request (so a client can quote it to the operator)."""
+        return attrs.evolve(self, message=f"{self.message} (request id {request_id})")
 
     def payload(self) -> dict[str, object]:
         return {
@@ -96,8 +104,10 @@ def internal(message: str) -> RouterError:
     return RouterError(500, message, "internal_error")
 
 
-def upstream_failed(stage: str, endpoint: str, detail: str) -> RouterError:
-    return RouterError(502, f"{stage} upstream {endpoint} failed: {detail}", "upstream_error")
+def upstream_failed(stage: str, what: str) -> RouterError:
+    """An upstream leg failed; ``what`` says how in words that name no address (the log has
+    the detail)."""
+    return RouterError(502, f"the {stage} upstream {what}", "upstream_error")
 
 
 def no_healthy_endpoint(stage: str) -> RouterError:
@@ -108,5 +118,5 @@ def shutting_down() -> RouterError:
     return RouterError(503, "the router is shutting down", "service_unavailable", retry_after=1)
 
 
-def upstream_timeout(stage: str, endpoint: str, detail: str) -> RouterError:
-    return RouterError(504, f"{stage} upstream {endpoint} timed out: {detail}", "timeout_error")
+def upstream_timeout(stage: str) -> RouterError:
+    return RouterError(504, f"the {stage} upstream timed out", "timeout_error")

@@ -17,6 +17,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from .json_log import JsonLines
+
 FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 PREFIX = "trio-pdrouter"
 #: Loggers of libraries, at WARNING unless the router logs at debug.
@@ -53,12 +55,16 @@ class DailyLogFile(logging.FileHandler):
         super().emit(record)
 
 
-def configure_logging(level: str, log_dir: str | None = None) -> None:
-    """Log at ``level`` to stderr, and to a file a day in ``log_dir`` when given."""
+def configure_logging(level: str, log_dir: str | None = None, log_format: str = "text") -> None:
+    """Log at ``level`` to stderr, and to a file a day in ``log_dir`` when given; as text lines
+    or (``log_format="json"``) one JSON object a line (:mod:`.json_log`)."""
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_dir is not None:
         handlers.append(DailyLogFile(log_dir))
     logging.basicConfig(level=level.upper(), format=FORMAT, handlers=handlers, force=True)
+    if log_format == "json":
+        for handler in handlers:
+            handler.setFormatter(JsonLines())
     quiet = logging.DEBUG if level == "debug" else logging.WARNING
     for name in LIBRARY_LOGGERS:
         logging.getLogger(name).setLevel(quiet)

@@ -9,6 +9,8 @@ parsed), from the request's final state; nothing writes to it while the request 
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import orjson
 
@@ -39,11 +41,66 @@ class RequestRecord:
     upstream_errors: list[tuple[str, str, str]] = attrs.Factory(list)
     #: ``kv_aware``'s view of its choice: blocks matched/total and whether the state was known.
     kv: str | None = None
+    #: The failure that decided the answer, if one did: its stage, the endpoint it came from,
+    #: and its cause (kind and detail, as clients never see them).
+    failed_stage: str | None = None
+    failed_upstream: str | None = None
+    cause: str | None = None
+    #: The client's address (``host:port``), the model it named, and the token counts of the
+    #: answer's ``usage`` when it had one.
+    client: str | None = None
+    model: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+    @property
+    def failed(self) -> bool:
+        """Whether the router or an upstream failed the request (the access line is then a
+        warning): not answered, and not the client's own doing (a bad request, an engine
+        refusing it with a 4xx, a client that left)."""
+        return self.outcome not in SERVED
+
+
+#: Outcomes where nothing failed on the router's side.
+SERVED = frozenset({"ok", "bad_request", "upstream_status", "client_disconnect"})
+
+
+def access_fields(rec: RequestRecord) -> dict[str, Any]:
+    """The access line's fields, in order, with their values (None: did not happen); the JSON
+    log writes them as they are, the text line as ``key=value``."""
+    fields: dict[str, Any] = {
+        "request_id": rec.request_id,
+        "route": rec.route,
+        "stream": rec.stream,
+        "prefill": rec.prefill,
+        "decode": rec.decode,
+        "status": rec.status,
+        "outcome": rec.outcome,
+        "prefill_ms": _round(rec.prefill_ms),
+        "ttfb_ms": _round(rec.ttfb_ms),
+        "total_ms": _round(rec.total_ms),
+        "bytes": rec.bytes_out,
+        "retries": rec.retries,
+        "client": rec.client,
+        "model": rec.model,
+        "prompt_tokens": rec.prompt_tokens,
+        "completion_tokens": rec.completion_tokens,
+        "kv": rec.kv,
+        "failed_stage": rec.failed_stage,
+        "failed_upstream": rec.failed_upstream,
+        "cause": rec.cause,
+    }
+    return fields
+
+
+def _round(ms: float | None) -> float | None:
+    return None if ms is None else round(ms, 1)
 
 
 def access_line(rec: RequestRecord) -> str:
     """The access log line of one request: ``key=value`` pairs, ``-`` for what did not happen,
-    values with spaces, quotes or ``=`` in JSON quotes."""
+    values with spaces, quotes or ``=`` in JSON quotes; ``kv`` and the failure's fields only
+    when there are some."""
     fields = (
         ("request_id", _quoted(rec.request_id)),
         ("route", rec.route),
@@ -59,7 +116,19 @@ def access_line(rec: RequestRecord) -> str:
         ("retries", str(rec.retries)),
     )
     line = " ".join(f"{key}={value}" for key, value in fields)
-    return f"{line} kv={rec.kv}" if rec.kv is not None else line
+    line += (
+        f" client={_quoted(rec.client or '-')} model={_quoted(rec.model or '-')}"
+        f" prompt_tokens={_count(rec.prompt_tokens)}"
+        f" completion_tokens={_count(rec.completion_tokens)}"
+    )
+    if rec.kv is not None:
+        line += f" kv={rec.kv}"
+    if rec.cause is not None:
+        line += (
+            f" failed_stage={rec.failed_stage or '-'} failed_upstream={rec.failed_upstream or '-'}"
+            f" cause={_quoted(rec.cause)}"
+        )
+    return line
 
 
 def _quoted(value: str) -> str:
@@ -67,6 +136,10 @@ def _quoted(value: str) -> str:
     if value and all(c.isprintable() and not c.isspace() and c not in '"=' for c in value):
         return value
     return orjson.dumps(value).decode()
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
 
 
 def _ms(value: float | None) -> str:

@@ -54,14 +54,19 @@ class UpstreamCall:
         stage: str,
     ) -> UpstreamCall:
         inf = req.inf
+        headers = bodies.upstream_headers(
+            inf.headers, attempt.request_id, endpoint, upstream_api_key
+        )
+        if req.trace is not None:  # the engine joins the span of this call, not the client's
+            traceparent = req.leg_traced(stage, endpoint, attempt.number)
+            if traceparent:
+                headers[b"traceparent"] = traceparent.encode()
         return cls(
             stage=stage,
             endpoint=endpoint,
             url=endpoint.url + inf.path,
             content=orjson.dumps(body),
-            headers=bodies.upstream_headers(
-                inf.headers, attempt.request_id, endpoint, upstream_api_key
-            ),
+            headers=headers,
         )
 
 

@@ -22,7 +22,8 @@ request fails (at once for a 4xx; after the last attempt, or with ``--disable-re
 5xx or 429): the engine's status, body and headers (as :mod:`trio_pdrouter.http.response_headers`
 passes them on), as vllm-router does; an engine's 429 gets ``Retry-After: 1`` if it sent none. Every
 other failure is answered with the router's own error in the OpenAI shape (502, or 504 for
-timeouts).
+timeouts): it names the stage, how it failed and the request id, never the endpoint or the
+exception, which :attr:`LegFailure.detail` keeps for the log.
 """
 
 from __future__ import annotations
@@ -57,13 +58,16 @@ class LegFailure:
     verdict: Verdict
     #: Counted in ``trio_pdrouter_upstream_errors_total``.
     upstream_error: bool = True
+    #: What happened, for the router's log only (it may name addresses).
+    detail: str = ""
 
-    def reply(self, streaming: bool) -> Reply:
+    def reply(self, streaming: bool, request_id: str) -> Reply:
         """The client's answer: the whole response, or the tail of a stream already started."""
         answer = self.answer
         if isinstance(answer, Reply):
             return answer
-        return Reply.tail(error_event(answer)) if streaming else Reply.error(answer)
+        error = answer.for_request(request_id)
+        return Reply.tail(error_event(error)) if streaming else Reply.error(error)
 
 
 def transport_failure(stage: str, ep: Endpoint, exc: httpx.HTTPError) -> LegFailure:
@@ -71,39 +75,52 @@ def transport_failure(stage: str, ep: Endpoint, exc: httpx.HTTPError) -> LegFail
     detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if isinstance(exc, httpx.TimeoutException):
         return timeout(stage, ep, detail)
-    kind = "connect" if isinstance(exc, httpx.ConnectError) else "reset"
-    return LegFailure(
-        stage, ep, kind, errors.upstream_failed(stage, ep.key, detail), True, Verdict.FAILURE
-    )
+    if isinstance(exc, httpx.ConnectError):
+        error = errors.upstream_failed(stage, "could not be reached")
+        return LegFailure(stage, ep, "connect", error, True, Verdict.FAILURE, detail=detail)
+    error = errors.upstream_failed(stage, "dropped the connection")
+    return LegFailure(stage, ep, "reset", error, True, Verdict.FAILURE, detail=detail)
 
 
 def timeout(stage: str, ep: Endpoint, detail: str) -> LegFailure:
-    error = errors.upstream_timeout(stage, ep.key, detail)
-    return LegFailure(stage, ep, "timeout", error, True, Verdict.FAILURE)
+    error = errors.upstream_timeout(stage)
+    return LegFailure(stage, ep, "timeout", error, True, Verdict.FAILURE, detail=detail)
 
 
 def status(stage: str, ep: Endpoint, code: int, headers: Headers, body: bytes) -> LegFailure:
     """The engine answered ``code`` (not 200) with ``headers`` (those the client may get) and
     ``body``."""
     kind = f"status_{code}"
+    detail = f"answered {code}"
     if code == 429:
         reply = Reply(code, with_default(headers, b"retry-after", b"1"), body)
-        return LegFailure(stage, ep, kind, reply, True, Verdict.NOTHING)
+        return LegFailure(stage, ep, kind, reply, True, Verdict.NOTHING, detail=detail)
     reply = Reply(code, with_default(headers, b"content-type", JSON), body)
     if 400 <= code < 500:
         # The engine is healthy; the request was not.
-        return LegFailure(stage, ep, kind, reply, False, Verdict.SUCCESS, upstream_error=False)
-    return LegFailure(stage, ep, kind, reply, True, Verdict.FAILURE)
+        return LegFailure(
+            stage, ep, kind, reply, False, Verdict.SUCCESS, upstream_error=False, detail=detail
+        )
+    return LegFailure(stage, ep, kind, reply, True, Verdict.FAILURE, detail=detail)
 
 
 def invalid(stage: str, ep: Endpoint, detail: str) -> LegFailure:
     """An answer the router cannot use (not JSON, a stream without ``[DONE]``, ...)."""
-    error = errors.upstream_failed(stage, ep.key, detail)
-    return LegFailure(stage, ep, "invalid", error, False, Verdict.FAILURE)
+    error = errors.upstream_failed(stage, "gave an answer the router cannot use")
+    return LegFailure(stage, ep, "invalid", error, False, Verdict.FAILURE, detail=detail)
 
 
 def client_too_slow(stage: str, ep: Endpoint, detail: str) -> LegFailure:
-    error = errors.upstream_failed(stage, ep.key, detail)
+    error = errors.RouterError(
+        502, f"the client fell too far behind the {stage} upstream", "upstream_error"
+    )
     return LegFailure(
-        stage, ep, "client_too_slow", error, False, Verdict.NOTHING, upstream_error=False
+        stage,
+        ep,
+        "client_too_slow",
+        error,
+        False,
+        Verdict.NOTHING,
+        upstream_error=False,
+        detail=detail,
     )

@@ -41,7 +41,7 @@ import trio
 from ..config import RouterConfig
 from ..endpoints import Role
 from ..http import Downstream, Receive, Reply, Send, current_connection, errors, sse
-from ..observe import RequestRecord
+from ..observe import RequestRecord, Tracing
 from ..routing import NoHealthyEndpoint, Routing
 from . import bodies
 from .admission import Admission, Rejected
@@ -59,8 +59,8 @@ class Proxy:
     """Serves inference requests from admission to the last byte (see the module doc).
 
     Every collaborator is given here: the admission cap, the routing (choose and charge), the
-    circuit breakers that learn each leg's outcome, the three legs, and the reclaimer of stranded
-    KV. :attr:`in_flight` holds the requests being served.
+    circuit breakers that learn each leg's outcome, the three legs, the reclaimer of stranded
+    KV, and the tracing (None: off). :attr:`in_flight` holds the requests being served.
     """
 
     def __init__(
@@ -74,6 +74,7 @@ class Proxy:
         buffered: BufferedDecode,
         relay: DecodeRelay,
         reclaimer: KvReclaimer,
+        tracing: Tracing | None,
         rng: random.Random | None = None,
     ) -> None:
         self._config = config
@@ -85,11 +86,28 @@ class Proxy:
         self._relay = relay
         self._reclaimer = reclaimer
         self._rng = rng or random.Random()
+        #: ``--otlp-traces-endpoint``: the spans of each request (None: off).
+        self.tracing = tracing
         #: The requests being served now.
         self.in_flight: set[Request] = set()
 
     async def handle(self, inf: Inference, receive: Receive, send: Send) -> RequestRecord:
-        req = Request(inf, Downstream(send), self._outcomes, current_connection())
+        trace = None
+        if self.tracing is not None:
+            trace = self.tracing.request(inf.path, inf.headers)
+            trace.note("trio_pdrouter.stream", inf.stream)
+            trace.note("trio_pdrouter.prompt_tokens_estimated", inf.key.prompt_tokens)
+            trace.note("trio_pdrouter.output_tokens_estimated", inf.key.output_tokens)
+            if inf.key.tokens is not None:
+                trace.note("trio_pdrouter.prompt_token_ids_known", len(inf.key.tokens))
+        req = Request(
+            inf,
+            Downstream(send),
+            self._outcomes,
+            current_connection(),
+            shows_endpoints=self._config.expose_routing_headers,
+            trace=trace,
+        )
         self.in_flight.add(req)
         try:
             await self._serve(req, receive)
@@ -101,13 +119,17 @@ class Proxy:
             req.crashed()
             if not gone:
                 error = errors.internal("the router failed while serving this request")
+                error = error.for_request(inf.request_id)
                 started = req.down.started
                 await req.down.finish(
                     Reply.tail(sse.error_event(error)) if started else Reply.error(error)
                 )
         finally:
             self.in_flight.discard(req)
-        return req.record()
+        record = req.record()
+        if trace is not None:
+            req.end_trace(record)
+        return record
 
     async def _serve(self, req: Request, receive: Receive) -> None:
         reply: Reply | None = None
@@ -119,6 +141,9 @@ class Proxy:
             try:
                 async with self._admission.slot(req.inf.priority):
                     req.admitted()
+                    if req.trace is not None:
+                        waited = (trio.current_time() - req.started) * 1000
+                        req.trace.note("trio_pdrouter.queue_wait_ms", waited)
                     reply = await self._attempts(req)
             except Rejected as exc:
                 req.rejected(exc.reason)
@@ -150,7 +175,9 @@ class Proxy:
                 req.unroutable()
                 if req.life.phase is Phase.FAILED and req.failure is not None:
                     # The breakers closed the last door after a failure: answer that failure.
-                    return _with_routing_headers(req, req.failure.reply(streaming=False))
+                    return _with_routing_headers(
+                        req, req.failure.reply(streaming=False, request_id=req.inf.request_id)
+                    )
                 return Reply.error(errors.no_healthy_endpoint(exc.role.value))
             async with attempt.lease:
                 # First inside the block: nothing between the charge and the lease's guard.
@@ -279,4 +306,4 @@ def _with_routing_headers(req: Request, reply: Reply) -> Reply:
     """A whole response carries the routing headers of the attempt that produced it."""
     if req.down.started or req.attempt is None:
         return reply
-    return Reply(reply.status, [*reply.headers, *req.attempt.routing_headers()], reply.body)
+    return Reply(reply.status, [*reply.headers, *req.routing_headers()], reply.body)

@@ -331,7 +331,7 @@ class DecodeRelay:
         )
         headers = with_default(headers, b"cache-control", b"no-cache")
         down, idle, buffer = req.down, answer.idle, answer.buffer
-        await down.start(200, [*headers, *answer.attempt.routing_headers()])
+        await down.start(200, [*headers, *req.routing_headers()])
         try:
             while answer.inline and (data := await answer.next(idle)) is not None:
                 buffer.passing(len(data))

@@ -23,10 +23,10 @@ import trio
 from ..endpoints import Endpoint, Role
 from ..http import Connection, Downstream, Headers, Reply, Route, errors, sse
 from ..ledger import Lease
-from ..observe import RequestRecord
+from ..observe import LegTrace, RequestRecord, RequestTrace, usage_of
 from ..routing import Lesson, RoutingKey
 from ..transport import SendSide
-from .lifecycle import Event, KvEvent, KvOwner, Lifecycle, outcome
+from .lifecycle import Event, KvEvent, KvOwner, Lifecycle, Phase, outcome
 from .outcomes import LegFailure, Verdict
 
 
@@ -43,6 +43,8 @@ class Inference:
     key: RoutingKey
     #: vLLM's ``priority`` (lower is sooner): the request's place in the admission queue.
     priority: int = 0
+    #: The client's address (``host:port``), for the access log.
+    client: str | None = None
 
 
 class OutcomeSink(Protocol):
@@ -95,7 +97,8 @@ class Attempt:
                 lesson.unlearn()
 
     def routing_headers(self) -> Headers:
-        """Response headers that explain the decision: the request id and the endpoints."""
+        """Response headers that explain the decision: the request id and the endpoints
+        (``--expose-routing-headers`` only: see :meth:`Request.routing_headers`)."""
         rid = (b"x-request-id", self.request_id.encode("latin-1", "replace"))
         kv = [(b"x-trio-pdrouter-kv", self.kv_note.encode())] if self.kv_note else []
         if self.prefill is None:
@@ -120,6 +123,7 @@ class Request:
         "failure",
         "inf",
         "kv_params",
+        "legs",
         "life",
         "on_cancel",
         "on_leave",
@@ -128,7 +132,9 @@ class Request:
         "prefill_ms",
         "rejection",
         "scope",
+        "shows_endpoints",
         "started",
+        "trace",
         "upstream_errors",
     )
 
@@ -138,8 +144,17 @@ class Request:
         down: Downstream,
         outcomes: OutcomeSink,
         connection: Connection | None = None,
+        *,
+        shows_endpoints: bool = False,
+        trace: RequestTrace | None = None,
     ) -> None:
         self.inf = inf
+        #: The request's span (``--otlp-traces-endpoint``), and its upstream calls' spans still
+        #: open, by endpoint (each ends when its leg's outcome is recorded).
+        self.trace = trace
+        self.legs: dict[Endpoint, LegTrace] = {}
+        #: ``--expose-routing-headers``: the answer names the endpoints chosen.
+        self.shows_endpoints = shows_endpoints
         self.down = down
         #: The client's connection, when served by hypercorn (cut if the client stalls).
         self.connection = connection
@@ -237,7 +252,7 @@ class Request:
         self.failure = failure
         streaming = self.life.streaming_started
         self.life.step(Event.FAIL)
-        return failure.reply(streaming)
+        return failure.reply(streaming, self.inf.request_id)
 
     def client_left(self) -> None:
         self.life.step(Event.CLIENT_LEFT)
@@ -292,14 +307,49 @@ class Request:
         """An attempt ended with the KV still on the prefill engine: reclaimed or abandoned."""
         self.life.kv_step(event)
 
+    def routing_headers(self) -> Headers:
+        """The headers a client's answer carries: the request id, as the client sent it (or as
+        the router made it), and, with ``--expose-routing-headers``, the attempt's endpoints."""
+        attempt = self.attempt
+        if attempt is not None and self.shows_endpoints:
+            return attempt.routing_headers()
+        return [(b"x-request-id", self.inf.request_id.encode("latin-1", "replace"))]
+
     # -- what legs met -------------------------------------------------------------------------
+
+    def leg_traced(self, stage: str, endpoint: Endpoint, attempt: int) -> str | None:
+        """A span for an upstream call to ``endpoint`` starts (when tracing): the
+        ``traceparent`` the engine gets."""
+        if self.trace is None:
+            return None
+        leg = self.legs[endpoint] = self.trace.leg(stage, endpoint, attempt)
+        return leg.traceparent
+
+    def end_trace(self, record: RequestRecord) -> None:
+        """End the spans still open: the upstream calls' with the request's outcome, then the
+        request's."""
+        if self.trace is None:
+            return
+        for leg in self.legs.values():
+            leg.end(record.outcome)
+        self.legs.clear()
+        self.trace.end(record)
+
+    def _leg_ended(self, endpoint: Endpoint, outcome: str) -> None:
+        leg = self.legs.pop(endpoint, None)
+        if leg is not None:
+            leg.end(outcome)
 
     def record_success(self, endpoint: Endpoint) -> None:
         self._outcomes.record_success(endpoint, trio.current_time())
+        if self.legs:
+            self._leg_ended(endpoint, "ok")
 
     def record_failure(self, failure: LegFailure) -> LegFailure:
         """The one place a leg's failure is recorded: metrics, breaker, the last failure."""
         self.failure = failure
+        if self.legs:
+            self._leg_ended(failure.endpoint, failure.kind)
         if failure.upstream_error:
             self.upstream_errors.append((failure.stage, failure.endpoint.key, failure.kind))
         if failure.verdict is Verdict.FAILURE:
@@ -315,6 +365,9 @@ class Request:
         inf, down, attempt = self.inf, self.down, self.attempt
         now = trio.current_time()
         first = down.first_chunk_at
+        failure = self.failure if self.life.phase is Phase.FAILED else None
+        model = inf.body.get("model")
+        prompt_tokens, completion_tokens = usage_of(down.tail())
         failure_kind = self.failure.kind if self.failure is not None else None
         return RequestRecord(
             inf.request_id,
@@ -333,4 +386,11 @@ class Request:
             retries=self.life.retries,
             rejection=self.rejection,
             upstream_errors=self.upstream_errors,
+            failed_stage=None if failure is None else failure.stage,
+            failed_upstream=None if failure is None else failure.endpoint.key,
+            cause=None if failure is None else f"{failure.kind}: {failure.detail}",
+            client=inf.client,
+            model=model if isinstance(model, str) else None,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
         )

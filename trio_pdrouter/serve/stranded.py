@@ -24,6 +24,7 @@ import trio
 
 from ..endpoints import Endpoint
 from ..ledger import Lease, LoadLedger
+from ..observe import LegTrace
 from . import bodies
 from .request import Attempt, Request
 
@@ -59,27 +60,44 @@ class KvReclaimer:
         headers = bodies.upstream_headers(
             inf.headers, attempt.request_id, ep, self._upstream_api_key
         )
+        leg = None
+        if req.trace is not None:  # a span of its own, ended when the pull ends
+            leg = req.trace.leg("reclaim", ep, attempt.number)
+            headers[b"traceparent"] = leg.traceparent.encode()
         # Charged now, synchronously: the engine is about to run this request, pulling the
         # prompt's KV blocks to generate one token.
         lease = self._ledger.lease(ep, tokens={ep: inf.key.prompt_tokens + 1})
         try:
-            self._background.start_soon(self._pull, ep, ep.url + inf.path, content, headers, lease)
+            self._background.start_soon(
+                self._pull, ep, ep.url + inf.path, content, headers, lease, leg
+            )
         except RuntimeError:  # shutting down: the background nursery is closed
             lease.release_all()
 
     async def _pull(
-        self, ep: Endpoint, url: str, content: bytes, headers: dict[bytes, bytes], lease: Lease
+        self,
+        ep: Endpoint,
+        url: str,
+        content: bytes,
+        headers: dict[bytes, bytes],
+        lease: Lease,
+        leg: LegTrace | None,
     ) -> None:
+        outcome = "timeout"
         with lease, trio.move_on_after(self._limit):
             try:
                 async with self._client.stream(
                     "POST", url, content=content, headers=headers
                 ) as resp:
+                    outcome = "ok" if resp.status_code == 200 else f"status_{resp.status_code}"
                     if resp.status_code != 200:
                         log.info("stranded_kv endpoint=%s status=%d", ep.key, resp.status_code)
                         self._on_refused(ep)
                     async for _ in resp.aiter_raw():
                         break  # the first byte: the blocks were pulled, or the refusal read
             except Exception as exc:  # background work: log and end, never take the router down
-                log.info("stranded_kv endpoint=%s error=%s", ep.key, type(exc).__name__)
+                outcome = type(exc).__name__
+                log.info("stranded_kv endpoint=%s error=%s", ep.key, outcome)
         self._on_reclaim(ep)
+        if leg is not None:
+            leg.end(outcome)

@@ -34,9 +34,10 @@ from pathlib import Path
 import trio
 
 from ..config import RouterConfig
+from ..http import listening_sockets
 from ..kv import KvFanout, sources_for
 from ..machine import DEFAULT_LOG_ENTRIES, DEFAULT_SLOTS, MachineTable
-from ..server import metrics_socket
+from ..server import metrics_socket, starting_line
 from .worker import READY, WorkerCommand, worker_command
 
 log = logging.getLogger("trio_pdrouter.supervisor")
@@ -49,27 +50,6 @@ KILL_AFTER = 5.0
 
 class WorkersKeepDying(Exception):
     """A worker died at start :data:`START_FAILURES` times in a row."""
-
-
-def listening_sockets(
-    host: str, port: int, backlog: int, count: int, *, reuseport: bool
-) -> list[socket.socket]:
-    """``count`` sockets bound and listening on one port: distinct ``SO_REUSEPORT`` sockets, or
-    the same socket ``count`` times."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sockets: list[socket.socket] = []
-    for _ in range(count if reuseport else 1):
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuseport:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind((host, port))
-        port = sock.getsockname()[1]  # --port 0: every reuseport socket on the first one's port
-        sock.listen(backlog)
-        sock.set_inheritable(True)
-        sockets.append(sock)
-    return sockets if reuseport else sockets * count
 
 
 class Supervisor:
@@ -120,7 +100,8 @@ class Supervisor:
                 for row in range(n):  # all at once
                     nursery.start_soon(self._keep_running, row, on_ready)
                 await all_ready.wait()
-                log.info("listening=%s workers=%d", self.url, n)
+                metrics_url = None if self._metrics_socket is None else _url(self._metrics_socket)
+                log.info("%s", starting_line(self._config, self.url, metrics_url))
                 task_status.started(self.url)
                 await shutdown_trigger()
                 self._stop(nursery)
@@ -140,9 +121,8 @@ class Supervisor:
                 proc.send_signal(signal.SIGTERM)
         # The workers stop accepting as they drain; with the supervisor's copies closed too, the
         # port is closed and a new connection is refused, as by a single process, not queued.
-        for sock in {*self._sockets, self._metrics_socket}:
-            if sock is not None:
-                sock.close()
+        for sock in self._sockets:  # /metrics stays open while the workers drain
+            sock.close()
         nursery.cancel_scope.deadline = (
             trio.current_time() + self._config.server.graceful_timeout + KILL_AFTER
         )

@@ -59,8 +59,10 @@ async def _supervisor_gone() -> None:
     log.warning("supervisor gone: shutting down")
 
 
-async def _until_stopped(wait_for_signal: Callable[[], Awaitable[None]]) -> None:
-    """Return on SIGTERM/SIGINT or when the supervisor is gone, whichever comes first."""
+async def _until_stopped(wait_for_signal: Callable[[], Awaitable[None]], listen_fd: int) -> None:
+    """Return on SIGTERM/SIGINT or when the supervisor is gone, whichever comes first, having
+    closed this process's copy of the listening socket (hypercorn closes its own): the port
+    refuses new connections once every process of the machine has."""
     async with trio.open_nursery() as nursery:
 
         async def then_stop(trigger: Callable[[], Awaitable[None]]) -> None:
@@ -69,6 +71,7 @@ async def _until_stopped(wait_for_signal: Callable[[], Awaitable[None]]) -> None
 
         nursery.start_soon(then_stop, wait_for_signal)
         nursery.start_soon(then_stop, _supervisor_gone)
+    os.close(listen_fd)
 
 
 def main(args: Sequence[str]) -> None:
@@ -76,7 +79,7 @@ def main(args: Sequence[str]) -> None:
 
     row, name, lock_path, fd, metrics_fd = int(args[0]), args[1], args[2], *map(int, args[3:5])
     config = parse_config(args[5:])
-    configure_logging(config.log_level, config.log_dir)
+    configure_logging(config.log_level, config.log_dir, config.log_format)
     log.info("worker=%d pid=%d starting", row, os.getpid())
     table = MachineTable.attach(name, lock_path)
 
@@ -86,7 +89,7 @@ def main(args: Sequence[str]) -> None:
             await nursery.start(
                 lambda task_status: run_router(
                     config,
-                    shutdown_trigger=lambda: _until_stopped(wait_for_signal),
+                    shutdown_trigger=lambda: _until_stopped(wait_for_signal, fd),
                     ledger=ledger,
                     listen_fd=fd,
                     metrics_fd=None if metrics_fd < 0 else metrics_fd,

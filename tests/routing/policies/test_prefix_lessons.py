@@ -34,7 +34,7 @@ REFUSAL = {"error": {"message": "no", "type": "BadRequestError", "param": None, 
 
 
 def config() -> RouterConfig:
-    return pd_config(decode_urls=DECODES, policy="cache_aware")
+    return pd_config(decode_urls=DECODES, policy="cache_aware", expose_routing_headers=True)
 
 
 def tree_of(app: RouterApp, role: Role) -> CacheAware:
