@@ -19,6 +19,13 @@ from .procs import LoadRun, ProcessSet, Service, find_vllm_router
 Config = tuple[str, str, list[str]]
 
 
+def table_cell(text: str) -> str:
+    """``text`` fit for a markdown table cell: a character that is not printable (a peer's raw
+    bytes, say) as its ``\\xNN`` escape, and ``|`` escaped."""
+    shown = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
+    return shown.replace("|", "\\|")
+
+
 def chosen_configs(configs: Sequence[Config], env: str, vllm_router: bool) -> list[Config]:
     """The ``(label, router kind, flags)`` rows a run takes: vllm-router's only when it is
     installed, and, when the environment variable ``env`` is set, only those whose label

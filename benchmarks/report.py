@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import orjson
 
-from .common import scenario_results
+from .common import scenario_results, table_cell
 from .kv_goals import idle_counts, judge
 
 HERE = Path(__file__).resolve().parent
@@ -57,7 +57,7 @@ def _f(value: Any, digits: int = 1) -> str:
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += ["| " + " | ".join(table_cell(cell) for cell in row) + " |" for row in rows]
     return lines
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.common import scenario_results
+from benchmarks.common import scenario_results, table_cell
 
 
 def test_a_scenarios_results_are_its_dated_files_oldest_first(tmp_path: Path) -> None:
@@ -25,3 +25,10 @@ def test_a_scenarios_results_are_its_dated_files_oldest_first(tmp_path: Path) ->
     ]
     assert [p.name for p in scenario_results(tmp_path, "kv_aware")] == ["2026-12-09-kv_aware.json"]
     assert scenario_results(tmp_path, "caps") == []
+
+
+def test_a_table_cell_shows_raw_bytes_escaped_and_keeps_the_table_whole() -> None:
+    # vllm-router's answer to an HTTP/2 preface is binary frames, kept as text in a result
+    assert table_cell("\x00\x00\x12\x04 x1, ok") == "\\x00\\x00\\x12\\x04 x1, ok"
+    assert table_cell("a | b") == "a \\| b"
+    assert table_cell("1,234 / 5 µs") == "1,234 / 5 µs"
