@@ -163,14 +163,13 @@ def build_app(
             fleet.add_at_start(url, role, serving=not starting)
     startup = StartupStatus(on_healthy=health.confirm)
     fleet.catch_up()  # and then the runtime changes made before it started
-    if isinstance(ledger, MachineLedger):  # what a dead predecessor held and nobody uses now
-        ledger.table.keep_only(ledger.row)
+    if isinstance(ledger, MachineLedger):
+        machine_table = ledger.table
+        machine_table.keep_only(ledger.row)  # what a dead predecessor held and nobody uses now
+        metrics.watch_restarts(lambda: machine_table.restarts)
     metrics.watch_ledger(ledger, fleet.endpoints())
     stage_policies = {role: config.stage_policy(role) for role in config.servers()}
     metrics.watch_fleet(ledger, fleet.endpoints, health.is_healthy, stage_policies)
-    if isinstance(ledger, MachineLedger):
-        machine_table = ledger.table
-        metrics.watch_restarts(lambda: machine_table.restarts)
 
     rate = config.admission.rate_limit_tokens_per_second
     bucket = None

@@ -88,7 +88,7 @@ async def run_router(
     *,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     ledger: LoadLedger | None = None,
-    listen_fd: int | None = None,
+    listener: socket.socket | None = None,
     metrics_fd: int | None = None,
     exit_by_deadline: bool = False,
     settle_heap: bool = False,
@@ -97,8 +97,10 @@ async def run_router(
     """Serve until ``shutdown_trigger`` returns (or forever); report a :class:`RunningRouter`.
 
     A worker of ``--workers N`` passes its machine ledger and the listening sockets the
-    supervisor made (``listen_fd``, ``metrics_fd`` for ``--prometheus-port``); otherwise the
-    router binds its ports itself.
+    supervisor made (``listener``, ``metrics_fd`` for the metrics listener); otherwise the
+    router binds its ports itself. Either way the router owns ``listener``: it closes it as its
+    drain starts (hypercorn stops accepting on its own copy), so the port, once every process
+    has closed its copies, refuses new connections rather than leaving them in the backlog.
 
     Binds its ports first (raising :class:`~trio_pdrouter.http.BindError` when it cannot) and
     serves at once; then waits for the configured servers to be healthy
@@ -123,13 +125,16 @@ async def run_router(
     expose_connections()
     # A worker of --workers N serves the supervisor's sockets (or no metrics listener).
     worker = isinstance(ledger, MachineLedger)
-    listener, metrics_listener = _bind(config, listen_fd is None, metrics_fd is None and not worker)
+    bound_listener, metrics_listener = _bind(
+        config, listener is None, metrics_fd is None and not worker
+    )
+    listener = listener or bound_listener
+    assert listener is not None
     bound = [sock for sock in (listener, metrics_listener) if sock is not None]
+    listen_fd = listener.fileno()
     metrics_fd = metrics_listener.fileno() if metrics_listener is not None else metrics_fd
-    if listener is not None:
-        listen_fd = listener.fileno()
-        if shutdown_trigger is not None:
-            shutdown_trigger = _then_close(shutdown_trigger, listener)
+    if shutdown_trigger is not None:
+        shutdown_trigger = _then_close(shutdown_trigger, listener)
 
     try:
         async with make_client(config) as client:
@@ -168,9 +173,7 @@ async def run_router(
 def _then_close(
     trigger: Callable[[], Awaitable[None]], listener: socket.socket
 ) -> Callable[[], Awaitable[None]]:
-    """``trigger``, then ``listener`` closed: hypercorn stops accepting on its copy, and with this
-    one closed too the port is closed, so a new connection is refused during the drain rather
-    than left waiting in the backlog (a caller that passes ``listen_fd`` closes its own)."""
+    """``trigger``, then ``listener`` closed (see :func:`run_router`)."""
 
     async def closing() -> None:
         await trigger()
@@ -227,12 +230,13 @@ async def _run(
     nursery: trio.Nursery,
     shutdown_trigger: Callable[[], Awaitable[None]] | None,
     exit_by_deadline: bool,
-    seat: tuple[LoadLedger | None, int | None, int | None, Credentials | None],
+    seat: tuple[LoadLedger | None, int, int | None, Credentials | None],
     task_status: trio.TaskStatus[RunningRouter],
 ) -> None:
     """The router over ``client``, its background work in ``nursery``, until shutdown;
-    ``seat`` is a worker's (ledger, listen_fd, metrics_fd), all None for a single process, and
-    the Kubernetes credentials of the machine's one pod watcher."""
+    ``seat`` is the ledger (a worker's machine ledger, else None), the listening socket's fd,
+    the metrics listener's (None without one), and the Kubernetes credentials of the machine's
+    one pod watcher."""
     ledger, listen_fd, metrics_fd, kube = seat
     hc = hypercorn_config(config)
     app = build_app(config, client, nursery, ledger=ledger, starting=_starts_unknown(config))
@@ -281,7 +285,6 @@ async def _run(
         )
         nursery.cancel_scope.cancel()
 
-    assert listen_fd is not None  # run_router bound it
     hc.bind = [f"fd://{os.dup(listen_fd)}"]  # hypercorn's socket owns (and closes) the copy
     binds: list[str] = await nursery.start(_serve)
     log.info("bound=%s serving /health; ready once the servers are", binds[0])

@@ -96,9 +96,7 @@ async def test_upstreams_down_at_start_health_answers_readiness_says_why(
     ready = trio.Event()
 
     async def run() -> None:
-        running: RunningRouter = await nursery.start(
-            partial(run_router, config, listen_fd=listener.fileno())
-        )
+        running: RunningRouter = await nursery.start(partial(run_router, config, listener=listener))
         assert running.url == url
         ready.set()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -59,10 +60,8 @@ async def _supervisor_gone() -> None:
     log.warning("supervisor gone: shutting down")
 
 
-async def _until_stopped(wait_for_signal: Callable[[], Awaitable[None]], listen_fd: int) -> None:
-    """Return on SIGTERM/SIGINT or when the supervisor is gone, whichever comes first, having
-    closed this process's copy of the listening socket (hypercorn closes its own): the port
-    refuses new connections once every process of the machine has."""
+async def _until_stopped(wait_for_signal: Callable[[], Awaitable[None]]) -> None:
+    """Return on SIGTERM/SIGINT or when the supervisor is gone, whichever comes first."""
     async with trio.open_nursery() as nursery:
 
         async def then_stop(trigger: Callable[[], Awaitable[None]]) -> None:
@@ -71,7 +70,6 @@ async def _until_stopped(wait_for_signal: Callable[[], Awaitable[None]], listen_
 
         nursery.start_soon(then_stop, wait_for_signal)
         nursery.start_soon(then_stop, _supervisor_gone)
-    os.close(listen_fd)
 
 
 def main(args: Sequence[str]) -> None:
@@ -89,9 +87,9 @@ def main(args: Sequence[str]) -> None:
             await nursery.start(
                 lambda task_status: run_router(
                     config,
-                    shutdown_trigger=lambda: _until_stopped(wait_for_signal, fd),
+                    shutdown_trigger=lambda: _until_stopped(wait_for_signal),
                     ledger=ledger,
-                    listen_fd=fd,
+                    listener=socket.socket(fileno=fd),
                     metrics_fd=None if metrics_fd < 0 else metrics_fd,
                     settle_heap=True,
                     task_status=task_status,
