@@ -16,7 +16,8 @@ would save; the router does not ship that patch.
 
 Targets take turns within a round (floor, ours, vllm-router, floor, ...) and the median over
 rounds is reported, because other processes load the machine. Router CPU is the router process's
-user + system time over the measured window (psutil). ``BENCH_BASELINE=DIR`` adds an
+user + system time over the measured window (psutil). "ours, no pump" is the router with
+``--no-relay-pump`` (every stream relayed by its own task). ``BENCH_BASELINE=DIR`` adds an
 "ours (baseline)" target run from another checkout (``git archive main | tar -x -C DIR``), for
 before/after comparisons in the same run; ``BENCH_PACED_MODES=regular|pd``, ``BENCH_PACED_C=256``
 and ``BENCH_PACED_REPEATS=N`` narrow or lengthen a run.
@@ -76,6 +77,10 @@ def _targets(
     ours_flags = ["--vllm-pd-disaggregation", *flags] if mode == "pd" else flags
     ours_flags = [*ours_flags, "--policy", "round_robin"]
     targets["ours"] = start_router(procs, f"ours-{mode}", "ours", ours_flags)
+    # The same router with every stream relayed by its own task: what the relay pump saves.
+    targets["ours, no pump"] = start_router(
+        procs, f"ours-nopump-{mode}", "ours", [*ours_flags, "--no-relay-pump"]
+    )
     baseline = os.environ.get("BENCH_BASELINE")
     if baseline:
         targets["ours (baseline)"] = start_router(

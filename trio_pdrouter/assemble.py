@@ -43,6 +43,7 @@ from .serve import (
     KvReclaimer,
     PrefillLeg,
     Proxy,
+    Pump,
     TokenBucket,
 )
 
@@ -180,6 +181,14 @@ def build_app(
     budget = BufferBudget(config.max_total_buffered_bytes)
     metrics.watch_buffers(lambda: budget.total)
     t = config.timeouts
+    pump = None
+    if not config.no_relay_pump:
+        pump = Pump(
+            max_delay=config.relay_pump_max_delay_ms / 1000,
+            idle_limit=stream_timeout(t).read,
+        )
+        background.start_soon(pump.run)
+        metrics.watch_pump(lambda: pump.streams)
     relay = DecodeRelay(
         client,
         first_byte_limit=t.first_byte_limit,
@@ -187,6 +196,7 @@ def build_app(
         max_buffered_bytes=config.max_buffered_bytes,
         budget=budget,
         release_at_headers=config.release_decode_at_headers,
+        pump=pump,
     )
     background.start_soon(relay.watch)
     proxy = Proxy(

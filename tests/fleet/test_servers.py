@@ -217,5 +217,6 @@ def test_the_proxy_cannot_be_built_without_a_reclaimer() -> None:
                 stream_timeout=httpx.Timeout(1.0),
                 max_buffered_bytes=1,
                 budget=BufferBudget(1),
+                pump=None,
             ),
         )

@@ -17,7 +17,7 @@ import attrs
 from ..endpoints import Endpoint, Role, UpstreamPolicy, expand, normalize_url
 from .cluster import ClusterSettings
 from .discovery import DiscoverySettings
-from .flags import ConfigError, Flag, Group, must, positive, section, setting
+from .flags import ConfigError, Flag, Group, must, non_negative, positive, section, setting
 from .kv_events import KvEventSettings
 from .listening import ServerSettings, Timeouts
 from .policies import POLICY_NAMES, PolicySettings
@@ -292,6 +292,29 @@ class RouterConfig:
             metavar="SIZE",
         ),
         check=positive,
+    )
+    #: Pass-through streams after their first event go through one task per process (the
+    #: relay pump) instead of each request's own task.
+    no_relay_pump: bool = setting(
+        False,
+        Flag(
+            "--no-relay-pump",
+            Group.REQUESTS,
+            "relay every stream from its own request's task instead of the per-process pump",
+            action="store_true",
+        ),
+    )
+    relay_pump_max_delay_ms: float = setting(
+        2.0,
+        Flag(
+            "--relay-pump-max-delay-ms",
+            Group.REQUESTS,
+            "longest the relay pump holds an event to batch it with others under heavy load"
+            " (0: forward each at once)",
+            type=float,
+            metavar="MS",
+        ),
+        check=non_negative,
     )
     #: Test-only: reproduce the historic bug (decode load released when its headers arrive).
     release_decode_at_headers: bool = setting(

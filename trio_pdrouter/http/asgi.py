@@ -54,6 +54,7 @@ class Downstream:
     __slots__ = (
         "_before_last",
         "_last",
+        "_raw",
         "_send",
         "bytes_sent",
         "first_chunk_at",
@@ -61,10 +62,15 @@ class Downstream:
         "sends_done",
         "started",
         "status",
+        "unsent",
     )
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, raw: Callable[[bytes], Awaitable[None]] | None = None) -> None:
         self._send = send
+        self._raw = raw
+        #: Framed body bytes a writer past hypercorn (:mod:`trio_pdrouter.serve.pump`) left
+        #: half-written: sent as they are, through ``raw``, before the next message.
+        self.unsent = b""
         self.started = False
         self.status = 0
         self.bytes_sent = 0
@@ -77,6 +83,10 @@ class Downstream:
     async def _out(self, message: Message) -> None:
         self.sending = True
         try:
+            if self.unsent:
+                assert self._raw is not None
+                data, self.unsent = self.unsent, b""
+                await self._raw(data)
             await self._send(message)
         finally:
             self.sending = False
@@ -94,6 +104,11 @@ class Downstream:
         if data:
             self._before_last, self._last = self._last, data
         await self._out({"type": "http.response.body", "body": data, "more_body": True})
+
+    def passed(self, data: bytes) -> None:
+        """``data`` (non-empty) went to the client past :meth:`chunk` (the pump's writes)."""
+        self.bytes_sent += len(data)
+        self._before_last, self._last = self._last, data
 
     async def finish(self, reply: Reply) -> None:
         """Send ``reply`` as the response's last message."""

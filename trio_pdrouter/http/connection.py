@@ -13,6 +13,9 @@ from __future__ import annotations
 from contextvars import ContextVar
 
 import attrs
+from h11._writers import ChunkedWriter
+from hypercorn.events import RawData
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 
 __all__ = ["Connection", "current_connection", "enter"]
@@ -27,6 +30,26 @@ class Connection:
     def cut(self) -> None:
         """Close the socket now: a send blocked on it fails at once, and so does the read."""
         self._server.stream.socket.close()
+
+    def fileno(self) -> int:
+        """The socket's file descriptor, for writing body bytes past hypercorn
+        (:mod:`trio_pdrouter.serve.pump`); -1 once closed."""
+        fd: int = self._server.stream.socket.fileno()
+        return fd
+
+    def body_is_chunked(self) -> bool:
+        """Whether the response being sent on this connection is framed in HTTP/1.1 chunks
+        (h11 chose them: an HTTP/1.1 client, no Content-Length). Only then may body bytes be
+        written past hypercorn, framed by the writer; anything unexpected says no."""
+        protocol = getattr(getattr(self._server, "protocol", None), "protocol", None)
+        if not isinstance(protocol, H11Protocol):
+            return False
+        return isinstance(getattr(protocol.connection, "_writer", None), ChunkedWriter)
+
+    async def send_raw(self, data: bytes) -> None:
+        """Write ``data`` as it is, through hypercorn's own send lock (bytes a writer past
+        hypercorn had left half-sent, completed before hypercorn sends anything more)."""
+        await self._server.protocol_send(RawData(data=data))
 
 
 _CONNECTION: ContextVar[Connection | None] = ContextVar("trio_pdrouter_connection", default=None)

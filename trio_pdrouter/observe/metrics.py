@@ -178,6 +178,11 @@ class RouterMetrics:
             "Decode output held for clients, all streams (--max-total-buffered-bytes bounds it).",
             registry=r,
         )
+        self.pumped = Gauge(
+            p + "pumped_streams",
+            "Streams the relay pump carries now (after their first event; --no-relay-pump: 0).",
+            registry=r,
+        )
         self.rejections = Counter(
             p + "admission_rejections",
             "Requests refused by admission control, by reason (queue_full, queue_timeout).",
@@ -390,6 +395,10 @@ class RouterMetrics:
     def watch_buffers(self, total: Callable[[], int]) -> None:
         """Report the bytes held for clients, read at every scrape."""
         self.buffered.set_function(total)
+
+    def watch_pump(self, streams: Callable[[], int]) -> None:
+        """Report the streams the relay pump carries, read at every scrape."""
+        self.pumped.set_function(streams)
 
     def policy_decision(self, stage: str, reason: str) -> None:
         """A policy chose an endpoint for ``stage`` because of ``reason``; ``unbalanced`` is

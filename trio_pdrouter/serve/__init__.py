@@ -32,6 +32,7 @@ from .lifecycle import (
     successors,
 )
 from .proxy import Proxy
+from .pump import Pump
 from .rate_limit import TokenBucket
 from .relay import TAKEOVER_AFTER, DecodeRelay, IdleDeadline
 from .request import Attempt, Inference, Request
@@ -64,6 +65,7 @@ __all__ = [
     "Phase",
     "PrefillLeg",
     "Proxy",
+    "Pump",
     "Rejected",
     "RelayBuffer",
     "RelayOverflow",

@@ -151,6 +151,17 @@ class RelayBuffer:
         self.queued -= len(data)
         return data
 
+    def take_now(self) -> bytes | None:
+        """:meth:`take` without waiting: the next piece, or ``None`` when nothing is pending."""
+        self._budget.total -= self._taken
+        self._taken = 0
+        if not self._chunks:
+            return None
+        data = self._next_piece()
+        self._taken = len(data)
+        self.queued -= len(data)
+        return data
+
     def _next_piece(self) -> bytes:
         """What is pending, oldest first, at most :data:`PIECE_BYTES` of it."""
         chunks = self._chunks

@@ -35,12 +35,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+from collections.abc import Awaitable, Callable
 
 import trio
 
 from ..config import RouterConfig
 from ..endpoints import Role
-from ..http import Downstream, Receive, Reply, Send, current_connection, errors, sse
+from ..http import (
+    Connection,
+    Downstream,
+    Receive,
+    Reply,
+    Send,
+    current_connection,
+    errors,
+    sse,
+)
 from ..observe import RequestRecord, Tracing
 from ..routing import NoHealthyEndpoint, Routing
 from . import bodies
@@ -100,11 +110,12 @@ class Proxy:
             trace.note("trio_pdrouter.output_tokens_estimated", inf.key.output_tokens)
             if inf.key.tokens is not None:
                 trace.note("trio_pdrouter.prompt_token_ids_known", len(inf.key.tokens))
+        connection = current_connection()
         req = Request(
             inf,
-            Downstream(send),
+            Downstream(send, None if connection is None else _raw_sender(connection)),
             self._outcomes,
-            current_connection(),
+            connection,
             shows_endpoints=self._config.expose_routing_headers,
             trace=trace,
         )
@@ -300,6 +311,15 @@ async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, req: Requ
             else:
                 scope.cancel()
             return
+
+
+def _raw_sender(connection: Connection) -> Callable[[bytes], Awaitable[None]]:
+    """Bytes written as they are on ``connection`` (looked up when used, not before)."""
+
+    async def send_raw(data: bytes) -> None:
+        await connection.send_raw(data)
+
+    return send_raw
 
 
 def _with_routing_headers(req: Request, reply: Reply) -> Reply:

@@ -21,6 +21,10 @@ The buffer is bounded in bytes, and so is the sum over all streams (:mod:`.buffe
 that falls further behind than either allows is treated as gone: the reader stops, which closes
 the upstream connection (so the engine aborts) and releases load.
 
+With a pump (:mod:`.pump`, the default), a pass-through stream goes there after its first event
+and the request's task waits for its end; the takeover above then only covers the head and the
+first event.
+
 The idle limit (``stream_timeout.read``, the longest gap between two upstream reads) is one
 cancel scope per reading task (:class:`IdleDeadline`), not one per read: per token-paced event a
 fresh scope costs more than the rest of the upstream read path.
@@ -49,11 +53,13 @@ from ..http import (
     read_capped,
     with_default,
 )
-from ..transport import SendSide, body_chunks
+from ..transport import H11ResponseStream, SendSide, body_chunks
 from . import outcomes
 from .buffers import BufferBudget, RelayBuffer, RelayOverflow
 from .legs import UpstreamCall, status_failure
+from .lifecycle import Event
 from .outcomes import LegFailure
+from .pump import CLIENT_GONE, Pump
 from .request import Attempt, Request
 
 
@@ -143,6 +149,16 @@ class _Answer:
             data = self.framer.feed(chunk)
             if data:
                 return data
+        self.upstream_ended()
+        return None
+
+    def feed(self, data: bytes) -> bytes:
+        """The whole events an upstream read completes (the pump's reads)."""
+        return self.framer.feed(data)
+
+    def upstream_ended(self) -> None:
+        """The engine's body ended: decode load is released and the buffer closed (with a
+        failure if the answer was cut short)."""
         ep = self.call.endpoint
         self.attempt.lease.release(ep)
         if self.framer.pending or (self.req.inf.route.ends_with_done and not self.framer.saw_done):
@@ -150,7 +166,6 @@ class _Answer:
         else:
             self.buffer.close()
             self.req.record_success(ep)
-        return None
 
     def ended_by(self, exc: Exception) -> None:
         """The reading task's ``exc`` ended the answer mid-stream."""
@@ -193,10 +208,14 @@ class DecodeRelay:
         stream_timeout: httpx.Timeout,
         max_buffered_bytes: int,
         budget: BufferBudget,
+        pump: Pump | None,
         release_at_headers: bool = False,
         takeover_after: float = TAKEOVER_AFTER,
     ) -> None:
         self._client = client
+        #: Carries pass-through streams after their first event (None: each request's task
+        #: relays its stream to the end).
+        self._pump = pump
         self._first_byte_limit = first_byte_limit
         # The transport bounds connect, write and pool; the idle limit between reads is ours.
         self._idle_limit: float | None = stream_timeout.read
@@ -330,14 +349,37 @@ class DecodeRelay:
             passed_on(answer.resp.headers), b"content-type", b"text/event-stream"
         )
         headers = with_default(headers, b"cache-control", b"no-cache")
-        down, idle, buffer = req.down, answer.idle, answer.buffer
+        down, idle, buffer, conn = req.down, answer.idle, answer.buffer, req.connection
         await down.start(200, [*headers, *req.routing_headers()])
         try:
             while answer.inline and (data := await answer.next(idle)) is not None:
                 buffer.passing(len(data))
                 await down.chunk(data)
+                pump = self._pump
+                if pump is not None and answer.inline and pump.can_carry(answer.chunks, conn):
+                    await self._pumped(answer, pump)
+                    return
         except (EventTooLarge, httpx.HTTPError) as exc:
             answer.ended_by(exc)
+
+    async def _pumped(self, answer: _Answer, pump: Pump) -> None:
+        """The rest of the stream goes through ``pump`` (:mod:`.pump`); the request's task
+        waits for its end."""
+        req, up, client = answer.req, answer.chunks, answer.req.connection
+        assert isinstance(up, H11ResponseStream) and client is not None
+        self._inline.discard(answer)  # never handed to a reader of its own now
+        answer.inline = False
+        answer.idle.scope.deadline = math.inf  # the pump keeps the idle limit
+        carried = pump.enter(answer, up, client, req.down)
+        req.on_cancel = lambda: pump.take_back(carried)
+        if await pump.carry(carried) == CLIENT_GONE:
+            # Like a disconnect hypercorn reports: the request ends now and its connection
+            # is closed (the engine's response is closed on the way out).
+            if req.life.allows(Event.CLIENT_LEFT):
+                req.client_left()
+            req.end()
+            client.cut()
+            await trio.lowlevel.checkpoint()
 
     async def _read(self, answer: _Answer) -> None:
         """A reader of its own, after a takeover: reads into the buffer until the answer ends,

@@ -299,6 +299,54 @@ class H11Connection:
                     request=request,
                 )
 
+    @property
+    def fd(self) -> int:
+        """The socket's file descriptor (valid while not :attr:`closed`)."""
+        return self._fd
+
+    def reads_chunked(self) -> bool:
+        """Whether the body being read is chunked, not at its end, and nothing of it is
+        buffered here: what polling the socket before :meth:`read_chunked_now` needs."""
+        body = self._chunked
+        return body is not None and not body.done and not self._pending and not self.closed
+
+    @property
+    def chunked_done(self) -> bool:
+        """Whether the chunked body's end has been read (the next read returns ``None``)."""
+        return self._chunked is not None and self._chunked.done
+
+    def read_chunked_now(self, request: httpx.Request) -> bytes | None:
+        """One read of a chunked body without waiting, for a caller that polls the socket
+        itself (:attr:`fd`): the body bytes it completes (``b""`` when the socket held nothing
+        yet or only framing), ``None`` at the body's clean end. A body cut short, bad framing
+        or a socket error raise httpx's errors, as :meth:`next_body_chunk` does. A read that
+        brings the last bytes and the end returns the bytes: :attr:`chunked_done` then says
+        the end is there, and no socket event will say it again."""
+        body = self._chunked
+        assert body is not None and not self._pending
+        if body.done:
+            return None
+        try:
+            data = os.read(self._fd, RECEIVE_SIZE)
+        except BlockingIOError:
+            return b""
+        except OSError as exc:
+            raise httpx.ReadError(f"read failed: {exc!r}", request=request) from exc
+        if not data:
+            raise httpx.RemoteProtocolError(
+                "peer closed connection without sending complete message body: "
+                "incomplete chunked read",
+                request=request,
+            )
+        self.response_started = True
+        try:
+            out = body.feed(data)
+        except ChunkedError as exc:
+            raise httpx.RemoteProtocolError(str(exc), request=request) from exc
+        if not out and body.done:
+            return None
+        return out
+
     # -- lifecycle -----------------------------------------------------------------------
 
     def finish_cycle(self) -> bool:

@@ -135,11 +135,60 @@ class H11ResponseStream(httpx.AsyncByteStream):
             self._pool.discard(conn)
         raise StopAsyncIteration
 
-    async def aclose(self) -> None:
-        # No await in here on purpose: this must complete inside a cancelled scope.
+    @property
+    def request(self) -> httpx.Request:
+        return self._request
+
+    def polled_fd(self) -> int | None:
+        """The socket to poll before each :meth:`read_now`, or None if this body cannot be
+        read that way (not chunked, or bytes of it already buffered: read on with
+        ``__anext__`` until they are gone)."""
+        if self._state == _OPEN and self._conn.reads_chunked():
+            return self._conn.fd
+        return None
+
+    def read_now(self) -> bytes | None:
+        """The next body bytes one read without waiting gives (``b""``: none yet), or None at
+        the clean end, which hands the connection back as ``__anext__`` does. For a caller
+        that polls :meth:`polled_fd` itself; any error closes the connection, as in
+        ``__anext__``."""
+        if self._state != _OPEN:
+            if self._state == _DONE:
+                return None
+            raise httpx.ReadError(
+                "response stream was closed before the end of the body", request=self._request
+            )
+        conn = self._conn
+        try:
+            chunk = conn.read_chunked_now(self._request)
+        except BaseException:
+            self._state = _BROKEN
+            self._pool.discard(conn)
+            raise
+        if chunk is not None:
+            return chunk
+        self._state = _DONE
+        if conn.finish_cycle():
+            self._pool.release(conn)
+        else:
+            self._pool.discard(conn)
+        return None
+
+    @property
+    def at_end(self) -> bool:
+        """Whether the body's end has been read and :meth:`read_now` will return ``None``
+        without reading (a read can bring the last bytes and the end together)."""
+        return self._state == _DONE or (self._state == _OPEN and self._conn.chunked_done)
+
+    def close(self) -> None:
+        """:meth:`aclose`, for a caller that cannot await."""
         if self._state == _OPEN:
             self._state = _BROKEN
             self._pool.discard(self._conn)
+
+    async def aclose(self) -> None:
+        # No await in here on purpose: this must complete inside a cancelled scope.
+        self.close()
 
 
 class H11Transport(httpx.AsyncBaseTransport):
