@@ -1,7 +1,13 @@
 """``sticky_least_loaded``: a new session goes to the least loaded endpoint, and stays there.
 
-vllm-router 0.1.17's policy of that name, read in its source (``src/policies/
-sticky_least_loaded.rs``) and observed running against the simulators, built here as:
+vllm-router 0.1.17's policy of that name. Read in its source (github.com/vllm-project/router,
+``src/policies/sticky_least_loaded.rs`` at commits 335c57e2 and 861c578e, and
+``src/policies/hash_key.rs``) and watched in the 0.1.17 wheel against the simulators (its log
+lines name a later revision, which also drops an idle session when it is looked up). There a
+session is bound to the endpoint with the fewest sessions bound (ties: a rendezvous hash), kept
+while that endpoint is healthy and configured, dropped 2 hours after its last request (swept once
+a minute) or by ``POST /finish_session?session_id=ID``; prefill and decode keep separate maps.
+Built here as:
 
 * **The session** is the request's hash key (``X-Session-ID``, ``X-User-ID``, ``X-Tenant-ID``,
   then the body's ``session_id`` or ``user``: :mod:`.routing_key`), as ``consistent_hash`` and
