@@ -65,6 +65,11 @@ async def test_each_session_keeps_its_endpoints_and_new_sessions_spread() -> Non
         # Idle servers: the sessions spread by sessions bound, two on each server of each stage.
         assert Counter(p for p, _ in homes.values()) == {s.url: 2 for s in c.prefill}
         assert Counter(d for _, d in homes.values()) == {s.url: 2 for s in c.decode}
+        metrics = (await c.client.get(c.url + "/metrics")).text
+        for stage in ("prefill", "decode"):
+            for reason, n in (("session_placed", 4), ("session_kept", 12)):
+                line = f'policy_decisions_total{{reason="{reason}",stage="{stage}"}} {n}.0'
+                assert line in metrics, line
         nursery.cancel_scope.cancel()
 
 

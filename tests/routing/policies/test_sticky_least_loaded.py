@@ -171,3 +171,24 @@ def test_a_map_needs_a_positive_ttl_and_capacity() -> None:
         StickySessions(0, 1, Clock())
     with pytest.raises(ValueError, match="positive ttl and capacity"):
         StickySessions(1, 0, Clock())
+
+
+def test_every_decision_is_told_with_its_reason() -> None:
+    told: list[tuple[str, str]] = []
+    built = make_policy(
+        "sticky_least_loaded",
+        stage="decode",
+        settings=PolicySettings(),
+        on_decision=lambda stage, reason: told.append((stage, reason)),
+        endpoints=EPS,
+    )
+    home = built.choose(EPS, IDLE, session("s1"))
+    built.choose(EPS, IDLE, session("s1"))
+    built.choose([ep for ep in EPS if ep != home], IDLE, session("s1"))
+    built.choose(EPS, IDLE, session(None))
+    assert told == [
+        ("decode", "session_placed"),
+        ("decode", "session_kept"),
+        ("decode", "session_moved"),
+        ("decode", "no_session"),
+    ]

@@ -103,7 +103,7 @@ def _sticky_least_loaded(parts: PolicyParts) -> Policy:
     sessions = StickySessions(
         settings.sticky_session_ttl_secs, settings.sticky_max_sessions, time.monotonic
     )
-    return StickyLeastLoaded(parts.rng, sessions)
+    return StickyLeastLoaded(parts.rng, sessions, stage=parts.stage, on_decision=parts.on_decision)
 
 
 #: Each ``--policy`` name and the factory of its policy; the names are those the config accepts
@@ -143,11 +143,11 @@ def make_policy(
 
     ``stage`` ("prefill", "decode" or "regular") labels the policy's log lines and decisions;
     ``on_decision`` is told ``(stage, reason)`` for every decision of a policy that gives
-    reasons (``cache_aware``, ``kv_aware``); ``kv`` is what ``kv_aware`` reads of the KV
-    events (None: it uses its estimate only); ``feed`` shares the prefix-tree inserts of
-    ``cache_aware`` (and ``kv_aware``'s estimate) with the machine's other workers
-    (``--workers N``), ``routes`` its prompts in flight with the other workers' ``kv_aware``
-    forecasts; ``rng`` is the only source of randomness (pass a seeded one for
+    reasons (``cache_aware``, ``kv_aware``, ``sticky_least_loaded``); ``kv`` is what
+    ``kv_aware`` reads of the KV events (None: it uses its estimate only); ``feed`` shares the
+    prefix-tree inserts of ``cache_aware`` (and ``kv_aware``'s estimate) with the machine's
+    other workers (``--workers N``), ``routes`` its prompts in flight with the other workers'
+    ``kv_aware`` forecasts; ``rng`` is the only source of randomness (pass a seeded one for
     reproducible tests).
     """
     factory = POLICIES.get(name)

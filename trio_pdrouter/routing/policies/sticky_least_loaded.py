@@ -46,10 +46,10 @@ import random
 from collections.abc import Mapping, Sequence
 
 from ...endpoints import Endpoint
-from ._base import RoutingKey
+from ._base import DecisionObserver, RoutingKey
 from .sticky_sessions import StickySessions
 
-__all__ = ["StickyLeastLoaded"]
+__all__ = ["REASONS", "StickyLeastLoaded"]
 
 
 def _rendezvous(session: str, endpoint: Endpoint) -> bytes:
@@ -58,14 +58,30 @@ def _rendezvous(session: str, endpoint: Endpoint) -> bytes:
     ).digest()
 
 
+#: The reasons of its decisions (``trio_pdrouter_policy_decisions_total``): a bound session sent
+#: to its endpoint, a new one placed, a bound one placed again (its endpoint no candidate), a
+#: request without a session.
+REASONS = ("session_kept", "session_placed", "session_moved", "no_session")
+
+
 class StickyLeastLoaded:
-    """See the module doc; ``sessions`` is this stage's session map."""
+    """See the module doc; ``sessions`` is this stage's session map, ``on_decision`` is told
+    ``(stage, reason)`` of every decision (:data:`REASONS`)."""
 
     name = "sticky_least_loaded"
 
-    def __init__(self, rng: random.Random, sessions: StickySessions) -> None:
+    def __init__(
+        self,
+        rng: random.Random,
+        sessions: StickySessions,
+        *,
+        stage: str = "regular",
+        on_decision: DecisionObserver | None = None,
+    ) -> None:
         self._rng = rng
         self.sessions = sessions
+        self._stage = stage
+        self._on_decision = on_decision
 
     def choose(
         self, candidates: Sequence[Endpoint], loads: Mapping[Endpoint, int], key: RoutingKey
@@ -75,15 +91,22 @@ class StickyLeastLoaded:
         if session is None:
             sessions.expire()
             tied = self._least_loaded(candidates, loads)
+            self._decided("no_session")
             return tied[0] if len(tied) == 1 else self._rng.choice(tied)
         home = sessions.home(session)  # expires first
         if home is not None and home in candidates:
             sessions.bind(session, home)  # refreshes it
+            self._decided("session_kept")
             return home
         tied = self._least_loaded(candidates, loads)
         chosen = tied[0] if len(tied) == 1 else max(tied, key=lambda c: _rendezvous(session, c))
         sessions.bind(session, chosen)
+        self._decided("session_placed" if home is None else "session_moved")
         return chosen
+
+    def _decided(self, reason: str) -> None:
+        if self._on_decision is not None:
+            self._on_decision(self._stage, reason)
 
     def _least_loaded(
         self, candidates: Sequence[Endpoint], loads: Mapping[Endpoint, int]
