@@ -114,7 +114,7 @@ def test_help_offers_no_refused_value_and_no_refused_flag() -> None:
         if isinstance(option, flags.Flag)
         for value in option.refused_choices
     }
-    assert refused_values >= {"sticky_least_loaded", "mooncake", "moriio"}
+    assert refused_values >= {"mooncake", "moriio"}
     for value in refused_values:
         assert value not in text
     listed = {line.split()[0].rstrip(",") for line in text.splitlines() if line.startswith("  -")}
@@ -363,6 +363,14 @@ def test_a_refused_flag_parses_and_is_refused_by_name(
     assert option.refused in err
 
 
+def test_vllm_router_sticky_least_loaded_is_a_policy_of_every_stage() -> None:
+    config = parse_config([*PD, "--policy", "sticky_least_loaded", "--sticky-max-sessions", "9"])
+    assert config.stage_policy(Role.PREFILL) == config.stage_policy(Role.DECODE)
+    assert config.stage_policy(Role.DECODE) == "sticky_least_loaded"
+    assert config.policy_settings.sticky_max_sessions == 9
+    assert config.policy_settings.sticky_session_ttl_secs == 7200.0
+
+
 def test_a_refused_flag_given_its_default_is_accepted() -> None:
     config = parse_config([*REGULAR, "--kv-event-block-size", "16"])
     assert config.kv_events.block_size == 16
@@ -371,7 +379,6 @@ def test_a_refused_flag_given_its_default_is_accepted() -> None:
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
-        (["--decode-policy", "sticky_least_loaded"], "--decode-policy sticky_least_loaded"),
         (["--kv-connector", "mooncake"], "--kv-connector mooncake"),
         (["--kv-connector", "moriio"], "--kv-connector moriio"),
     ],
@@ -436,7 +443,6 @@ def test_a_launch_command_with_every_vllm_router_flag_exits_2_with_one_message()
     )
     named = {name.split()[0] for line in lines[1:] for name in line.split(": ", 1)[0].split(", ")}
     refused = {option.spelling for option in REFUSED} | {"--kv-connector"}
-    refused.add("--decode-policy")
     assert named == refused & given
 
 

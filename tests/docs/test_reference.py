@@ -28,7 +28,7 @@ def test_the_configuration_page_lists_every_flag_with_its_shown_default() -> Non
         else:
             assert f"`{option.spelling}" in text, option.spelling
     assert "| `--max-payload-size SIZE` | `512MiB` |" in text
-    assert "`sticky_least_loaded` is refused:" in text
+    assert "`mooncake` is refused:" in text
     assert "## Refused vllm-router flags" in text
 
 

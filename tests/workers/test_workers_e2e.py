@@ -368,3 +368,43 @@ async def test_during_the_drain_a_new_connection_is_refused(workers: int) -> Non
         with trio.fail_after(30):
             assert await sup.proc.wait() == 0
         nursery.cancel_scope.cancel()
+
+
+async def test_sticky_sessions_keep_their_endpoints_through_two_workers() -> None:
+    """Each worker keeps its own session map (docs/routing.md): a session that keeps one
+    connection stays on one worker, so on one endpoint of each stage."""
+    async with trio.open_nursery() as nursery:
+        sims = await start_sims(nursery, dp=4)
+        args = pd_args(
+            sims,
+            "--intra-node-data-parallel-size",
+            "4",
+            "--policy",
+            "sticky_least_loaded",
+            "--expose-routing-headers",
+        )
+        sup = await start_supervisor(nursery, 2, args)
+        homes: dict[str, set[tuple[str, str]]] = {}
+
+        async def session(name: str) -> None:
+            async with httpx.AsyncClient(timeout=60) as client:  # one connection: one worker
+                for turn in range(4):
+                    resp = await client.post(
+                        sup.url + "/v1/completions",
+                        json={"prompt": f"turn {turn}", "max_tokens": 2},
+                        headers={"X-Session-ID": name},
+                    )
+                    assert resp.status_code == 200, resp.text
+                    served = (
+                        resp.headers["x-trio-pdrouter-prefill"],
+                        resp.headers["x-trio-pdrouter-decode"],
+                    )
+                    homes.setdefault(name, set()).add(served)
+
+        async with trio.open_nursery() as clients:
+            for i in range(8):
+                clients.start_soon(session, f"s{i}")
+        assert len(homes) == 8
+        assert all(len(served) == 1 for served in homes.values()), homes
+        assert await stop_supervisor(sup) == 0
+        nursery.cancel_scope.cancel()

@@ -1,5 +1,5 @@
 """The admin routes: health and readiness, loads, servers, models, metrics, the KV index, the
-version and the effective configuration.
+version, the effective configuration and the end of a sticky session.
 
 ``POST /workers`` and ``DELETE /workers/{url}`` change the fleet (through
 :class:`~trio_pdrouter.fleet.Fleet` only); the others read what the router knows.
@@ -84,6 +84,7 @@ class AdminRoutes:
             "/debug/kv-index": {"GET": self._kv_index},
             "/version": {"GET": self._version},
             "/admin/config": {"GET": self._effective_config},
+            "/finish_session": {"POST": self._finish_session},
         }
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -128,6 +129,21 @@ class AdminRoutes:
         # The pid says which process answered (with --workers N, each worker has its own view).
         body = {"pid": os.getpid(), "engines": rows}
         await send_reply(send, Reply.json(orjson.dumps(body)))
+
+    async def _finish_session(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /finish_session?session_id=ID``, vllm-router's: ``sticky_least_loaded`` forgets
+        the session in every stage (this process's maps; a no-op with other policies)."""
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        given = query.get("session_id", [])
+        if len(given) != 1 or not given[0]:
+            error = errors.bad_request("expected ?session_id=ID", "session_id")
+            await send_reply(send, Reply.error(error))
+            return
+        session = given[0]
+        bound = self._routing.finish_session(session)
+        log.info("session_finished session_bound=%s", bound)
+        body = orjson.dumps({"status": "ok", "session_id": session})
+        await send_reply(send, Reply.json(body))
 
     async def _metrics_route(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = self._metrics.exposition()

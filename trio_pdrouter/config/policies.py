@@ -22,6 +22,7 @@ POLICY_NAMES = (
     "consistent_hash",
     "cache_aware",
     "kv_aware",
+    "sticky_least_loaded",
 )
 LOAD_METRICS = ("requests", "tokens")
 
@@ -167,6 +168,29 @@ class PolicySettings:
             type=int,
         ),
         check=must(lambda t: 1 <= t <= 31_536_000, "must be between 1 and 31536000"),
+    )
+    sticky_session_ttl_secs: float = setting(
+        7200.0,
+        Flag(
+            "--sticky-session-ttl-secs",
+            Group.ROUTING_POLICY,
+            "sticky_least_loaded: a session is forgotten this many seconds after its last request"
+            " (vllm-router's VLLM_ROUTER_SLL_SESSION_EXPIRATION_IN_S, which is not read: give"
+            " this flag)",
+            type=float,
+        ),
+        check=must(lambda t: 0.0 < t <= 31_536_000, "must be above 0 and at most 31536000"),
+    )
+    sticky_max_sessions: int = setting(
+        65_536,
+        Flag(
+            "--sticky-max-sessions",
+            Group.ROUTING_POLICY,
+            "sticky_least_loaded: sessions each stage's map keeps per router process; past it the"
+            " least recently used is forgotten",
+            type=int,
+        ),
+        check=positive,
     )
     virtual_nodes: int = 160
 

@@ -6,8 +6,9 @@ default, on the field it will set once the feature exists, and ``refused=`` sayi
 refused and what to use instead (see :mod:`trio_pdrouter.config.flags`). Given with a value other
 than its default, the router exits 2 with one message naming every such flag.
 
-Kubernetes discovery and KV events were refused here until implemented; they live in
-:mod:`trio_pdrouter.config.discovery` and :mod:`trio_pdrouter.kv.sources`.
+Kubernetes discovery, KV events and the ``sticky_least_loaded`` policy were refused here until
+implemented; they live in :mod:`trio_pdrouter.config.discovery`, :mod:`trio_pdrouter.kv.sources`
+and :mod:`trio_pdrouter.routing.policies.sticky_least_loaded`.
 """
 
 from __future__ import annotations
@@ -19,10 +20,6 @@ from .flags import Flag, Group, as_tuple, setting
 ZMQ_DISCOVERY = (
     "vLLM's ZMQ service discovery is not implemented; list the servers with --prefill/--decode,"
     " or add them at run time with POST /workers"
-)
-STICKY_LEAST_LOADED = (
-    "sticky_least_loaded is not implemented; consistent_hash keeps a session on one endpoint,"
-    " power_of_two prefers the less loaded of two"
 )
 OTHER_CONNECTORS = (
     "only the nixl and p2p_nccl KV connectors are implemented; use --kv-connector nixl"

@@ -23,7 +23,6 @@ from .listening import ServerSettings, Timeouts
 from .policies import POLICY_NAMES, PolicySettings
 from .refused import (
     OTHER_CONNECTORS,
-    STICKY_LEAST_LOADED,
     ExtensionSettings,
     ZmqDiscoverySettings,
 )
@@ -38,8 +37,6 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 #: vllm-router's metrics listener when no --prometheus-host/--prometheus-port is given.
 METRICS_HOST = "127.0.0.1"
 METRICS_PORT = 29000
-#: vllm-router's policies that trio-pdrouter does not have, with the reason and the alternative.
-REFUSED_POLICIES = {"sticky_least_loaded": STICKY_LEAST_LOADED}
 
 
 def _upstream_urls(instance: Any, field: attrs.Attribute[Any], urls: tuple[str, ...]) -> None:
@@ -179,7 +176,6 @@ class RouterConfig:
             Group.ROUTING_POLICY,
             "policy of every stage",
             choices=POLICY_NAMES,
-            refused_choices=REFUSED_POLICIES,
         ),
     )
     prefill_policy: str | None = setting(
@@ -189,7 +185,6 @@ class RouterConfig:
             Group.ROUTING_POLICY,
             "override --policy for prefill",
             choices=POLICY_NAMES,
-            refused_choices=REFUSED_POLICIES,
         ),
     )
     decode_policy: str | None = setting(
@@ -199,7 +194,6 @@ class RouterConfig:
             Group.ROUTING_POLICY,
             "override --policy for decode",
             choices=POLICY_NAMES,
-            refused_choices=REFUSED_POLICIES,
         ),
     )
     policy_settings: PolicySettings = section(PolicySettings)

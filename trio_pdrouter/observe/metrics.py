@@ -194,7 +194,8 @@ class RouterMetrics:
         self.policy_decisions = Counter(
             p + "policy_decisions",
             "Routing decisions by stage and reason (cache_aware: cache_hit, cache_miss,"
-            " unbalanced, empty_text).",
+            " unbalanced, empty_text; sticky_least_loaded: session_kept, session_placed,"
+            " session_moved, no_session).",
             ["stage", "reason"],
             registry=r,
         )

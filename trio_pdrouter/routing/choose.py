@@ -68,6 +68,16 @@ class Forecasts(Protocol):
         ...
 
 
+@runtime_checkable
+class KeepsSessions(Protocol):
+    """A policy that binds sessions to endpoints and forgets one on request
+    (``sticky_least_loaded``: ``POST /finish_session``)."""
+
+    def finish(self, session: str) -> bool:
+        """Forget ``session``; False when it was not bound."""
+        ...
+
+
 #: Extra admission test per endpoint (health, circuit breaker); True = may take traffic.
 Admits = Callable[[Endpoint], bool]
 
@@ -107,6 +117,9 @@ class Routing:
         self._forecasters = {
             role: policy for role, policy in policies.items() if isinstance(policy, Forecasts)
         }
+        self._session_keepers = [
+            policy for policy in policies.values() if isinstance(policy, KeepsSessions)
+        ]
         self._policies = dict(policies)
         self._admits = tuple(admits)
         self._endpoints: dict[Role, tuple[Endpoint, ...]] = {role: () for role in policies}
@@ -230,6 +243,12 @@ class Routing:
             if teacher is not None and teacher.lesson is not None:
                 out[role] = teacher.lesson
         return out
+
+    def finish_session(self, session: str) -> bool:
+        """Forget ``session`` in every stage whose policy keeps sessions (this process's maps);
+        True when any stage had it bound."""
+        finished = [keeper.finish(session) for keeper in self._session_keepers]
+        return any(finished)
 
     def maintain(self) -> bool:
         """One slice of every policy's housekeeping; True while any has more to do."""

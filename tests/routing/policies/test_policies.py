@@ -67,6 +67,7 @@ def test_make_policy_knows_every_name() -> None:
         "consistent_hash",
         "cache_aware",
         "kv_aware",
+        "sticky_least_loaded",
     }
     for name in POLICY_NAMES:
         policy = make_policy(

@@ -7,6 +7,8 @@ router charges its choice in the same step. :data:`POLICIES` names each policy's
 endpoint (:class:`RadixTree`); ``kv_aware`` reads vLLM's KV events (:class:`KvView`) and
 forecasts what each engine will hold. With ``--workers N`` both share what they learn through the
 machine's rings (:class:`InsertShare`, :class:`RouteShare`: protocols, the rings implement them).
+``sticky_least_loaded`` keeps each session on the endpoint it was first sent to
+(:class:`StickySessions`, one map per process).
 
 May import the config, the KV events, the ledger's cost and the endpoints.
 """
@@ -14,6 +16,7 @@ May import the config, the KV events, the ledger's cost and the endpoints.
 from __future__ import annotations
 
 import random as _random
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
@@ -32,6 +35,8 @@ from .random import Random
 from .round_robin import RoundRobin
 from .routing_key import routing_key
 from .session_affinity import SessionTable
+from .sticky_least_loaded import StickyLeastLoaded
+from .sticky_sessions import StickySessions
 
 __all__ = [
     "POLICIES",
@@ -54,6 +59,8 @@ __all__ = [
     "RouteShare",
     "RoutingKey",
     "SessionTable",
+    "StickyLeastLoaded",
+    "StickySessions",
     "make_policy",
     "routing_key",
     "utf8_size",
@@ -90,6 +97,15 @@ def _kv_aware(parts: PolicyParts) -> Policy:
     )
 
 
+def _sticky_least_loaded(parts: PolicyParts) -> Policy:
+    settings = parts.settings
+    # The process's monotonic clock (trio's differs by an offset only): sessions age in real time.
+    sessions = StickySessions(
+        settings.sticky_session_ttl_secs, settings.sticky_max_sessions, time.monotonic
+    )
+    return StickyLeastLoaded(parts.rng, sessions, stage=parts.stage, on_decision=parts.on_decision)
+
+
 #: Each ``--policy`` name and the factory of its policy; the names are those the config accepts
 #: (:data:`~trio_pdrouter.config.POLICY_NAMES`, which cannot import this table).
 POLICIES: Mapping[str, Callable[[PolicyParts], Policy]] = {
@@ -107,6 +123,7 @@ POLICIES: Mapping[str, Callable[[PolicyParts], Policy]] = {
         feed=parts.feed,
     ),
     "kv_aware": _kv_aware,
+    "sticky_least_loaded": _sticky_least_loaded,
 }
 
 
@@ -126,11 +143,11 @@ def make_policy(
 
     ``stage`` ("prefill", "decode" or "regular") labels the policy's log lines and decisions;
     ``on_decision`` is told ``(stage, reason)`` for every decision of a policy that gives
-    reasons (``cache_aware``, ``kv_aware``); ``kv`` is what ``kv_aware`` reads of the KV
-    events (None: it uses its estimate only); ``feed`` shares the prefix-tree inserts of
-    ``cache_aware`` (and ``kv_aware``'s estimate) with the machine's other workers
-    (``--workers N``), ``routes`` its prompts in flight with the other workers' ``kv_aware``
-    forecasts; ``rng`` is the only source of randomness (pass a seeded one for
+    reasons (``cache_aware``, ``kv_aware``, ``sticky_least_loaded``); ``kv`` is what
+    ``kv_aware`` reads of the KV events (None: it uses its estimate only); ``feed`` shares the
+    prefix-tree inserts of ``cache_aware`` (and ``kv_aware``'s estimate) with the machine's
+    other workers (``--workers N``), ``routes`` its prompts in flight with the other workers'
+    ``kv_aware`` forecasts; ``rng`` is the only source of randomness (pass a seeded one for
     reproducible tests).
     """
     factory = POLICIES.get(name)
