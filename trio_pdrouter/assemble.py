@@ -25,7 +25,7 @@ from .fleet import (
     HealthBoard,
     MachineServers,
     MachineVerdicts,
-    ModelLimits,
+    ServedModels,
     StartupStatus,
 )
 from .http import LegClient, stream_timeout
@@ -71,14 +71,20 @@ def build_app(
     ledger = LoadLedger() if ledger is None else ledger
     metrics = RouterMetrics(pd=config.pd, attempts=config.retry.max_retries)
     fleet: Fleet
-    limits = ModelLimits(client, lambda: serving(), api_key=config.upstream_api_key)
+    models = ServedModels(
+        client,
+        lambda: {ep.url for ep in fleet.endpoints()},
+        lambda url: any(health.is_healthy(ep) for ep in fleet.endpoints_of(url)),
+        interval_s=config.models_refresh_interval,
+        api_key=config.upstream_api_key,
+    )
 
     def health_changed(url: str, healthy: bool) -> None:
         log.log(logging.INFO if healthy else logging.WARNING, "url=%s healthy=%s", url, healthy)
         for ep in fleet.endpoints_of(url):
             metrics.health(ep.key, healthy)
-        if healthy:  # perhaps restarted with another model: learn its context length again
-            limits.relearn(url)
+        if healthy:  # perhaps restarted with another model: learn what it serves again
+            models.relearn(url)
 
     verdicts = None
     prober = True  # this process probes health and scrapes the engines
@@ -144,6 +150,7 @@ def build_app(
         (health.is_healthy, lambda ep: breakers.admits(ep, trio.current_time())),
         peers,
         by_tokens=config.token_roles(),
+        models=models,
     )
     machine = None
     if isinstance(ledger, MachineLedger):
@@ -258,8 +265,9 @@ def build_app(
         counter = tokens or PromptTokens(
             client, lambda: sorted(serving()), api_key=config.upstream_api_key, local=local
         )
-        context = ContextCheck(limits, serving, counter)
-    inference = InferenceRoutes(config, proxy, metrics, tokens, context)
+        context = ContextCheck(models, serving, counter)
+    metrics.watch_models(models.served_ids, lambda: len(models.unknown()))
+    inference = InferenceRoutes(config, proxy, metrics, tokens, context, models)
     admin = AdminRoutes(
         config,
         fleet=fleet,
@@ -271,6 +279,7 @@ def build_app(
         peers=peers,
         kv_events=kv,
         startup=startup,
+        models=models,
     )
     return RouterApp(
         config,
@@ -285,6 +294,7 @@ def build_app(
         verdicts=None if prober else verdicts,
         kv_events=kv,
         context=context,
+        models=models,
         inference=inference,
         admin=admin,
         startup=startup,

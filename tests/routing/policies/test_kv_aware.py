@@ -177,6 +177,7 @@ def prefill_routing(view: View) -> tuple[Routing, LoadLedger]:
         (),
         None,
         by_tokens=(Role.PREFILL,),
+        models=None,
     )
     routing.set_endpoints(Role.PREFILL, EPS)
     return routing, ledger
@@ -217,6 +218,7 @@ def test_a_prefill_chosen_for_a_request_no_decode_can_take_is_not_forecast() -> 
         (),
         None,
         by_tokens=(Role.PREFILL,),
+        models=None,
     )
     routing.set_endpoints(Role.PREFILL, EPS)
     key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)

@@ -318,7 +318,7 @@ class KvAware:
             shares.append(hit)
         if not ahead and key.text and not any(blocks for blocks, _known in seen):
             if homes is None or any(c not in homes for c in candidates):
-                homes = self._homes(candidates, key.text)
+                homes = self._homes(candidates, key.text, key.model)
             shares = [homes[c] for c in candidates]
         # Load breaks ties only: its term stays below TIE_BREAK of one block's share.
         tie = TIE_BREAK / (total + 1) / max(max_load - min_load, 1)
@@ -356,7 +356,7 @@ class KvAware:
         shares = {candidate: hit for candidate, (hit, _blocks, _known) in hits.items()}
         homes = None
         if not ahead and key.text and not any(blocks for _hit, blocks, _known in hits.values()):
-            homes = shares = self._homes(candidates, key.text)
+            homes = shares = self._homes(candidates, key.text, key.model)
         self._read = (key, keys, hits, homes, ahead)
         cached_per_hit = total * view.block_size
         return {
@@ -402,7 +402,7 @@ class KvAware:
         # may be missing blocks, so the estimate may say more.
         share = 0.0
         if key.text:
-            chars, _owner = self.estimate.match(key.text, frozenset((candidate,)))
+            chars, _owner = self.estimate.match(key.text, frozenset((candidate,)), key.model)
             share = chars / len(key.text)
         if share > lower:
             return share, round(share * total), False
@@ -421,12 +421,14 @@ class KvAware:
         tree's longest match, any endpoint): the start it shares with earlier prompts."""
         return self.estimate.match(text, None)[0]
 
-    def _homes(self, candidates: Sequence[Endpoint], text: str) -> dict[Endpoint, float]:
+    def _homes(
+        self, candidates: Sequence[Endpoint], text: str, model: str | None
+    ) -> dict[Endpoint, float]:
         """On a miss everywhere: the share of the text the estimated tree last sent to one
         candidate (its *home*; 0 for the others, and for all when the share is not above
         ``--cache-threshold``), so a prefix whose blocks were evicted is stored again where its
         group lives and the engines keep holding different groups."""
-        chars, home = self.estimate.match(text, frozenset(candidates))
+        chars, home = self.estimate.match(text, frozenset(candidates), model)
         share = chars / len(text)
         if home is None or share <= self._settings.cache_threshold:
             share = 0.0
@@ -444,7 +446,7 @@ class KvAware:
 
     def _remember(self, key: RoutingKey, chosen: Endpoint) -> None:
         if key.text:
-            self.estimate.remember(key.text, chosen)
+            self.estimate.remember(key.text, chosen, key.model)
 
     def _decided(self, reason: str, blocks: int, total: int, *, known: bool) -> None:
         self.last = KvDecision(blocks, total, known, reason)
