@@ -227,3 +227,37 @@ def test_a_removed_server_is_forgotten() -> None:
     urls.clear()
     trio.run(s.learn_due)
     assert s.of("http://a:1") is None
+
+
+async def test_a_model_nobody_lists_is_asked_about_again_before_the_404(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Another worker (or the operator, on the servers) may have loaded it since."""
+    lists = {"http://a:1": [BASE]}
+    asked: list[float] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(trio.current_time())
+        await trio.sleep(0.1)
+        return httpx.Response(200, json={"data": lists[f"http://{request.url.netloc.decode()}"]})
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    s = ServedModels(client, lambda: list(lists), lambda url: True)
+    s._known["http://a:1"] = models(BASE)
+    lists["http://a:1"] = [BASE, ADAPTER]  # loaded behind this process's back
+    assert not await s.recheck("llama")  # listed: nothing asked
+    assert asked == []
+    assert not await s.recheck("sql-lora")  # asked, and now known
+    assert len(asked) == 1
+    results: list[bool] = []
+
+    async def one(model: str) -> None:
+        results.append(await s.recheck(model))
+
+    await trio.sleep(5)
+    async with trio.open_nursery() as nursery:  # concurrent requests share one ask
+        for _ in range(3):
+            nursery.start_soon(one, "gamma")
+    assert results == [True] * 3 and len(asked) == 2
+    assert await s.recheck("gamma")  # within a second of the last ask: not asked again
+    assert len(asked) == 2

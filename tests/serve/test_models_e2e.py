@@ -12,6 +12,7 @@ import httpx
 import trio
 
 from tests.cluster import eventually
+from tests.workers_harness import start_supervisor, stop_supervisor
 from trio_pdrouter.config import HealthSettings, RouterConfig, ServerSettings
 from trio_pdrouter.server import RunningRouter, run_router
 from trio_pdrouter_sim.config import SimConfig
@@ -280,4 +281,41 @@ async def test_a_server_is_asked_again_when_it_recovers() -> None:
         await eventually(learnt)
         resp = await f.client.post(f.router.url + "/v1/completions", json=completion("late-lora"))
         assert resp.status_code == 200
+        nursery.cancel_scope.cancel()
+
+
+async def test_with_workers_an_adapter_loaded_through_one_worker_is_served_by_all() -> None:
+    """The worker that passed the load relearnt at once; the others ask again before they
+    would answer 404 (their schedule is 30 s away)."""
+    async with trio.open_nursery() as nursery:
+        sims = [SimServer(attrs.evolve(FAST, model="alpha")) for _ in range(2)]
+        for sim in sims:
+            await nursery.start(sim.run)
+        urls = [sim.url for sim in sims]
+        args = ["--worker-urls", *urls, "--policy", "round_robin", "--admin-from-loopback"]
+        sup = await start_supervisor(nursery, 2, args)
+        await sup.wait_for(lambda: len(sup.pids) == 2, 60)
+        knowing: set[int] = set()
+        with trio.fail_after(30):
+            while len(knowing) < 2:  # fresh connections until both workers have read the lists
+                async with httpx.AsyncClient(timeout=10) as fresh:
+                    pid = (await fresh.get(sup.url + "/debug/kv-index")).json()["pid"]
+                    workers = (await fresh.get(sup.url + "/workers")).json()["workers"]
+                    if all(w["models"] == ["alpha"] for w in workers):
+                        knowing.add(pid)
+                    else:
+                        await trio.sleep(0.05)  # polling another process: no event to wait on
+        async with httpx.AsyncClient(timeout=10) as client:
+            load = {"lora_name": "sql-lora", "lora_path": "/adapters/sql"}
+            resp = await client.post(sup.url + "/v1/load_lora_adapter", json=load)
+            assert resp.status_code == 200
+        pids: set[int] = set()
+        for i in range(24):  # fresh connections: the kernel spreads them over the workers
+            async with httpx.AsyncClient(timeout=10) as fresh:
+                resp = await fresh.get(sup.url + "/debug/kv-index")
+                pids.add(resp.json()["pid"])
+                resp = await fresh.post(sup.url + "/v1/completions", json=completion("sql-lora", i))
+                assert resp.status_code == 200, resp.text
+        assert len(pids) == 2  # both workers answered
+        assert await stop_supervisor(sup) == 0
         nursery.cancel_scope.cancel()

@@ -122,7 +122,11 @@ class InferenceRoutes:
         route = ROUTES[scope["path"]]
         _validate(route, body)
         model = body.get("model")
-        if isinstance(model, str) and self._models is not None and self._models.unserved(model):
+        if (
+            isinstance(model, str)
+            and self._models is not None
+            and await self._models.recheck(model)
+        ):
             raise BadRequest(
                 errors.model_not_found(model), model=model
             )  # before any engine is touched

@@ -27,7 +27,11 @@ The rules (docs/models.md):
   router logs a warning naming the server and that assumption when a first attempt fails, and
   counts the unknown servers in ``trio_pdrouter_servers_models_unknown``.
 * A model is *unserved* — answered 404 without reaching an engine — when no server lists it and
-  every server's list is known.
+  every server's list is known. Before that answer every healthy server is asked again (at most
+  once a second, requests arriving meanwhile wait for that ask: :meth:`ServedModels.recheck`):
+  an adapter may have been loaded since, through another worker of ``--workers N`` (which
+  relearnt at once; this process would otherwise wait for its schedule) or on the servers
+  directly.
 * One server serving several models counts the largest ``max_model_len`` listed as its context
   length (:mod:`trio_pdrouter.serve.context_length`).
 * The loop logs and goes on after any exception.
@@ -54,6 +58,8 @@ log = logging.getLogger("trio_pdrouter.models")
 MAX_ANSWER_BYTES = 1024 * 1024
 FIRST_RETRY_S = 1.0
 LAST_RETRY_S = 60.0
+#: Seconds between two asks of every server prompted by a request for a model nobody lists.
+RECHECK_GAP_S = 1.0
 #: What an unknown server is assumed to serve, as the log line says it.
 ASSUMPTION = "models no candidate with a known list serves, and requests naming no model"
 
@@ -126,6 +132,9 @@ class ServedModels:
         self._due: dict[str, tuple[int, float]] = {}
         #: Unknown servers whose assumption was logged (once each until they are known).
         self._warned: set[str] = set()
+        #: The last :meth:`recheck`'s ask of every server: when it began, and its end.
+        self._rechecked_at = -math.inf
+        self._recheck_done: trio.Event | None = None
         self._wake = trio.Event()
 
     # -- reading ---------------------------------------------------------------------------
@@ -156,6 +165,23 @@ class ServedModels:
             return False
         urls = self._servers()
         return bool(urls) and all(url in known for url in urls)
+
+    async def recheck(self, model: str) -> bool:
+        """:meth:`unserved`, after asking every healthy server again when it is (module doc)."""
+        if not self.unserved(model):
+            return False
+        done = self._recheck_done
+        if done is not None:
+            await done.wait()
+        elif trio.current_time() - self._rechecked_at >= RECHECK_GAP_S:
+            self._rechecked_at = trio.current_time()
+            self._recheck_done = done = trio.Event()
+            try:
+                await self.learn_now(url for url in self._servers() if self._may_ask(url))
+            finally:
+                self._recheck_done = None
+                done.set()
+        return self.unserved(model)
 
     def served_ids(self) -> frozenset[str]:
         """Every model id some known server lists."""
