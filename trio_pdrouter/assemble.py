@@ -254,6 +254,7 @@ def build_app(
             seen=first.seen_chars if isinstance(first, KvAware) else None,
             cut_chars=config.kv_events.cut_chars(),
             on_outcome=metrics.tokenized,
+            serving=models.may_serve,
         )
     generating = Role.DECODE if config.pd else Role.REGULAR
 
@@ -263,7 +264,11 @@ def build_app(
     context = None
     if config.check_context_length:
         counter = tokens or PromptTokens(
-            client, lambda: sorted(serving()), api_key=config.upstream_api_key, local=local
+            client,
+            lambda: sorted(serving()),
+            api_key=config.upstream_api_key,
+            local=local,
+            serving=models.may_serve,
         )
         context = ContextCheck(models, serving, counter)
     metrics.watch_models(models.served_ids, lambda: len(models.unknown()))

@@ -522,7 +522,13 @@ class SimApp:
 
     async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
         cfg = self.state.config
-        tokens = tokenize(await self._json_body(receive), cfg.text_tokens)
+        body = await self._json_body(receive)
+        model = body.get("model") if isinstance(body, dict) else None
+        if model is not None and model != cfg.model and model not in self.state.adapters:
+            # As vLLM's create_tokenize (vllm/entrypoints/openai/serving_tokenization.py,
+            # commit 0492d792466c41a514f0aadc20138dbc88c7a254): the model checked first.
+            raise BadRequest(f"The model `{model}` does not exist.", param="model", status=404)
+        tokens = tokenize(body, cfg.text_tokens)
         await _send_json(
             send, 200, {"count": len(tokens), "max_model_len": cfg.max_model_len, "tokens": tokens}
         )

@@ -194,6 +194,8 @@ def test_utf8_bytes_of_a_long_text_in_slices() -> None:
         {"prompt": ""},
         {"messages": [{"role": "user", "content": "hi"}]},
         {"messages": [{"role": "user", "content": "hi"}], "prompt": "x"},
+        {"model": "sql-lora", "prompt": 'a"b\\c é ' * 9},
+        {"model": 3, "prompt": "x"},
     ],
 )
 async def test_a_count_sends_the_same_json_in_slices(

@@ -152,6 +152,11 @@ class ServedModels:
         """The fleet's servers whose list was never read."""
         return sorted(url for url in self._servers() if url not in self._known)
 
+    def may_serve(self, url: str, model: str) -> bool:
+        """``url`` lists ``model``, or its list is unknown."""
+        known = self._known.get(url)
+        return known is None or model in known.ids
+
     def serving(self, candidates: Sequence[Endpoint], model: str) -> list[Endpoint]:
         """Those of ``candidates`` a request for ``model`` may go to (module doc)."""
         known = self._known
