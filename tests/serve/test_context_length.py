@@ -163,6 +163,17 @@ def test_the_bound_is_the_largest_candidates_and_only_when_all_are_known() -> No
     assert check({}).bound() is None
 
 
+async def test_the_bound_is_among_the_servers_of_the_requests_model() -> None:
+    models = served({"a": 100, "b": 300})
+    models._known["a"] = ServerModels(({"id": "small", "max_model_len": 100},))
+    c = ContextCheck(models, lambda: ["a", "b"], None)
+    assert c.bound("small") == 100 and c.bound("m") == 300 and c.bound() == 300
+    assert c.bound("other") == 300  # served by none known: every candidate counts
+    key = RoutingKey(tokens=tuple(range(200)), model="small")
+    refused = await c.refusal("/v1/completions", {"max_tokens": 50}, key)
+    assert refused is not None and "maximum context length is 100 tokens" in refused.message
+
+
 async def test_a_prompt_one_candidate_could_hold_is_not_refused() -> None:
     c = check({"a": 100, "b": 300})
     key = RoutingKey(tokens=tuple(range(200)))
