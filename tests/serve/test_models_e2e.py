@@ -228,6 +228,9 @@ async def test_adapters_loaded_and_unloaded_through_the_router_are_routed_to_and
         assert await generate_many(f, bodies, "/v1/completions") == [200] * 20
         assert [await f.generations(sim) for sim in f.sims["alpha"]] == [20, 20]
         assert [await f.generations(sim) for sim in f.sims["beta"]] == [0, 0]
+        unknown_base = {**load, "base_model": "gamma"}
+        resp = await f.client.post(url + "/v1/load_lora_adapter", json=unknown_base)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "base_model"
         again = await f.client.post(url + "/v1/load_lora_adapter", json=load)
         assert again.status_code == 400  # the engine's answer: already loaded
         assert "has already been loaded" in again.json()["error"]["message"]

@@ -325,6 +325,12 @@ class AdminRoutes:
             return
         base = body.pop("base_model", None)
         targets = self._adapter_targets(path, name, base if isinstance(base, str) else None)
+        if not targets and isinstance(base, str):
+            error = errors.bad_request(
+                f"no server taking traffic serves the base model `{base}`", "base_model"
+            )
+            await send_reply(send, Reply.error(error))
+            return
         if not targets:
             await send_reply(send, Reply.error(errors.no_healthy_endpoint("adapter")))
             return
