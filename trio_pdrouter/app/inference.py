@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import attrs
 import orjson
 import trio
 
@@ -134,7 +135,9 @@ class InferenceRoutes:
             raise BadRequest(errors.bad_request(f"JSON nested deeper than {MAX_JSON_DEPTH} levels"))
         stream = body.get("stream", False)
         key = routing_key(body, headers)
-        if self._tokens is not None:
+        if isinstance(model, str) and self._models is not None and self._models.is_adapter(model):
+            key = attrs.evolve(key, adapter=True)  # kv_aware does not look its ids up
+        if self._tokens is not None and not key.adapter:
             key = await self._tokens.key_with_tokens(body, key)
         if self._context is not None:
             # Before anything is chosen or charged: a prompt no decode could hold.

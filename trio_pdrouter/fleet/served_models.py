@@ -39,6 +39,7 @@ The rules (docs/models.md):
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -64,7 +65,7 @@ RECHECK_GAP_S = 1.0
 ASSUMPTION = "models no candidate with a known list serves, and requests naming no model"
 
 
-@attrs.frozen
+@attrs.frozen(slots=False)  # a __dict__ for the cached properties: routing reads them often
 class ServerModels:
     """One server's answer to ``GET /v1/models``: its cards as given, in order."""
 
@@ -79,7 +80,7 @@ class ServerModels:
         cards = tuple(c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str))
         return cls(cards)
 
-    @property
+    @functools.cached_property
     def ids(self) -> frozenset[str]:
         """Every model id the server serves: base models and adapters."""
         return frozenset(card["id"] for card in self.cards)
@@ -89,7 +90,7 @@ class ServerModels:
         """The base models (cards without a ``parent``)."""
         return [card["id"] for card in self.cards if not card.get("parent")]
 
-    @property
+    @functools.cached_property
     def adapters(self) -> dict[str, str]:
         """Adapter id -> the base model it applies to (cards with a ``parent``)."""
         return {card["id"]: str(card["parent"]) for card in self.cards if card.get("parent")}
@@ -187,6 +188,10 @@ class ServedModels:
                 self._recheck_done = None
                 done.set()
         return self.unserved(model)
+
+    def is_adapter(self, model: str) -> bool:
+        """Some server lists ``model`` as a LoRA adapter (a card with a ``parent``)."""
+        return any(model in served.adapters for served in self._known.values())
 
     def served_ids(self) -> frozenset[str]:
         """Every model id some known server lists."""

@@ -32,6 +32,9 @@ class RoutingKey:
     in ``prompt_tokens`` by estimate: :mod:`trio_pdrouter.routing.prompt_tokens`).
     ``model`` is the body's ``model`` (a base model or a LoRA adapter), None when it names none:
     routing sends the request only to servers that serve it, and prefix state is kept per model.
+    ``adapter``: that model is a LoRA adapter on some server; vLLM hashes an adapter's KV blocks
+    apart from its base model's, so ``kv_aware`` does not look its token ids up in the index of
+    base-model blocks (docs/models.md).
     """
 
     text: str = ""
@@ -41,6 +44,7 @@ class RoutingKey:
     tokens: tuple[int, ...] | None = None
     partial_tokens: bool = False
     model: str | None = None
+    adapter: bool = False
 
 
 @attrs.frozen(eq=False)

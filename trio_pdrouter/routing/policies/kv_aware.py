@@ -6,7 +6,12 @@ Per decision, over the candidates:
   ``--balance-token-threshold`` with token loads, and ``--balance-rel-threshold``): the
   least-loaded candidate, as ``cache_aware`` does;
 * no token ids for the request (``/tokenize`` failed or was not needed): ``cache_aware``'s
-  decision over its estimated tree;
+  decision over its estimated tree (reason ``no_tokens``); likewise for a request naming a LoRA
+  adapter (reason ``adapter``): vLLM hashes an adapter's blocks with its name
+  (``_gen_lora_extra_hash_keys`` in vllm/v1/core/kv_cache_utils.py, commit
+  001cabc1be16a59a70d720ed61a13b678c060a18), the index keeps none of them
+  (:mod:`trio_pdrouter.kv.wire` skips blocks with a LoRA), and its ids would match the base
+  model's blocks instead;
 * otherwise each candidate's *hit* is the share of the prompt's full blocks it will hold as a
   leading run when this prompt's turn comes (with ids of the prompt's start only,
   ``partial_tokens``: of the blocks its estimated count fills), each block weighted by its
@@ -216,7 +221,7 @@ class KvAware:
         """Tell the chosen engine's forecast the prompt goes there, until its lease slot is
         released (:attr:`on_release`)."""
         view = self._view
-        if view is None or key.tokens is None:
+        if view is None or key.tokens is None or key.adapter:  # an adapter's blocks: not these
             return
         forecast = self._forecast(chosen)
         if forecast is None:
@@ -287,9 +292,9 @@ class KvAware:
         self, candidates: Sequence[Endpoint], loads: Mapping[Endpoint, int], key: RoutingKey
     ) -> Endpoint:
         view = self._view
-        if view is None or key.tokens is None:
+        if view is None or key.tokens is None or key.adapter:
             chosen = self.estimate.choose(candidates, loads, key)
-            self._decided("no_tokens", 0, 0, known=False)
+            self._decided("adapter" if key.adapter else "no_tokens", 0, 0, known=False)
             return chosen
         s = self._settings
         values = [loads.get(c, 0) for c in candidates]
@@ -346,7 +351,7 @@ class KvAware:
         """The prompt tokens each candidate would compute: those past the blocks its hit
         credits, and the estimate's count when the request has no token ids."""
         view = self._view
-        if view is None or key.tokens is None:
+        if view is None or key.tokens is None or key.adapter:
             return self.estimate.uncached_tokens(candidates, key)
         self._learn_routes()
         keys = block_keys(key.tokens, view.block_size)

@@ -132,7 +132,7 @@ def routing_key(body: Mapping[str, object], headers: Mapping[str, str]) -> Routi
 
     >>> routing_key({"prompt": "hi", "user": "u1"}, {"X-Session-ID": "s9"})
     RoutingKey(text='hi', hash_key='s9', prompt_tokens=1, output_tokens=256, tokens=None,
-    partial_tokens=False, model=None)
+    partial_tokens=False, model=None, adapter=False)
     """
     text = routing_text(body)
     model = body.get("model")
