@@ -25,7 +25,7 @@ from .fleet import (
     HealthBoard,
     MachineServers,
     MachineVerdicts,
-    ModelLimits,
+    ServedModels,
     StartupStatus,
 )
 from .http import LegClient, stream_timeout
@@ -72,14 +72,20 @@ def build_app(
     ledger = LoadLedger() if ledger is None else ledger
     metrics = RouterMetrics(pd=config.pd, attempts=config.retry.max_retries)
     fleet: Fleet
-    limits = ModelLimits(client, lambda: serving(), api_key=config.upstream_api_key)
+    models = ServedModels(
+        client,
+        lambda: {ep.url for ep in fleet.endpoints()},
+        lambda url: any(health.is_healthy(ep) for ep in fleet.endpoints_of(url)),
+        interval_s=config.models_refresh_interval,
+        api_key=config.upstream_api_key,
+    )
 
     def health_changed(url: str, healthy: bool) -> None:
         log.log(logging.INFO if healthy else logging.WARNING, "url=%s healthy=%s", url, healthy)
         for ep in fleet.endpoints_of(url):
             metrics.health(ep.key, healthy)
-        if healthy:  # perhaps restarted with another model: learn its context length again
-            limits.relearn(url)
+        if healthy:  # perhaps restarted with another model: learn what it serves again
+            models.relearn(url)
 
     verdicts = None
     prober = True  # this process probes health and scrapes the engines
@@ -145,6 +151,7 @@ def build_app(
         (health.is_healthy, lambda ep: breakers.admits(ep, trio.current_time())),
         peers,
         by_tokens=config.token_roles(),
+        models=models,
     )
     machine = None
     if isinstance(ledger, MachineLedger):
@@ -257,6 +264,7 @@ def build_app(
             seen=first.seen_chars if isinstance(first, KvAware) else None,
             cut_chars=config.kv_events.cut_chars(),
             on_outcome=metrics.tokenized,
+            serving=models.may_serve,
         )
     generating = Role.DECODE if config.pd else Role.REGULAR
 
@@ -266,10 +274,15 @@ def build_app(
     context = None
     if config.check_context_length:
         counter = tokens or PromptTokens(
-            client, lambda: sorted(serving()), api_key=config.upstream_api_key, local=local
+            client,
+            lambda: sorted(serving()),
+            api_key=config.upstream_api_key,
+            local=local,
+            serving=models.may_serve,
         )
-        context = ContextCheck(limits, serving, counter)
-    inference = InferenceRoutes(config, proxy, metrics, tokens, context)
+        context = ContextCheck(models, serving, counter)
+    metrics.watch_models(models.served_ids, lambda: len(models.unknown()))
+    inference = InferenceRoutes(config, proxy, metrics, tokens, context, models)
     admin = AdminRoutes(
         config,
         fleet=fleet,
@@ -281,6 +294,7 @@ def build_app(
         peers=peers,
         kv_events=kv,
         startup=startup,
+        models=models,
     )
     return RouterApp(
         config,
@@ -295,6 +309,7 @@ def build_app(
         verdicts=None if prober else verdicts,
         kv_events=kv,
         context=context,
+        models=models,
         inference=inference,
         admin=admin,
         startup=startup,

@@ -250,8 +250,7 @@ async def _run(
         nursery.start_soon(StallWatch(config.server.write_timeout, app.proxy.in_flight).run)
     if app.engine_truth is not None:
         nursery.start_soon(app.engine_truth.run)
-    if app.context is not None:
-        nursery.start_soon(app.context.limits.run)
+    nursery.start_soon(app.models.run)
     if config.health.interval_secs > 0 and app.verdicts is not None:
         nursery.start_soon(app.health.follow, FOLLOW_INTERVAL)
     elif config.health.interval_secs > 0:

@@ -11,7 +11,8 @@ Routes:
 =========================  ======================================================
 ``GET /health``            200, empty body
 ``GET /version``           ``{"version": ...}``
-``GET /v1/models``         the one served model
+``GET /v1/models``         the served model and its LoRA adapters
+``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``: LoRA adapters at run time
 ``GET /metrics``           Prometheus text: ``vllm:num_requests_running``,
                            ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
                            ``vllm:cache_config_info`` (block_size, num_gpu_blocks),
@@ -105,6 +106,8 @@ class SimState:
             Engine(rank, config, journals[rank] if journals else None)
             for rank in range(config.dp_size)
         ]
+        #: LoRA adapter name -> path (``--lora-modules``, then loaded and unloaded at run time).
+        self.adapters: dict[str, str] = dict(_lora_module(spec) for spec in config.lora_modules)
         self.kv = KvStore(f"sim-{uuid.uuid4().hex[:12]}", config.kv_timeout_s)
         self.faults = FaultBook(config.faults)
         self.rng = random.Random(config.seed)
@@ -290,6 +293,30 @@ async def _send_json(
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+async def _send_text(send: Send, text: str) -> None:
+    """200 with ``text`` and no content type, as vLLM answers its adapter routes
+    (``Response(status_code=200, content=response)`` in its API server)."""
+    body = text.encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _lora_error(status: int, err_type: str, message: str) -> shapes.JSON:
+    return {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+
+
+def _lora_module(spec: str) -> tuple[str, str]:
+    """``name=path`` (vLLM's ``--lora-modules`` spelling) or a bare name."""
+    name, _, path = spec.partition("=")
+    return name, path or name
+
+
 async def _send_error(send: Send, status: int, message: str, param: str | None = None) -> None:
     await _send_json(send, status, shapes.error_body(status, message, param=param))
 
@@ -368,6 +395,8 @@ class SimApp:
             "/health": {"GET": self._health},
             "/version": {"GET": self._version},
             "/v1/models": {"GET": self._models},
+            "/v1/load_lora_adapter": {"POST": self._load_adapter},
+            "/v1/unload_lora_adapter": {"POST": self._unload_adapter},
             "/metrics": {"GET": self._metrics},
             "/v1/completions": {"POST": self._completions},
             "/v1/chat/completions": {"POST": self._chat},
@@ -409,8 +438,44 @@ class SimApp:
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         cfg = self.state.config
         await _send_json(
-            send, 200, shapes.models_list(cfg.model, self.state.created, cfg.max_model_len)
+            send,
+            200,
+            shapes.models_list(
+                cfg.model, self.state.created, cfg.max_model_len, self.state.adapters
+            ),
         )
+
+    async def _load_adapter(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """vLLM's ``load_lora_adapter`` (vllm/entrypoints/openai/serving_models.py, commit
+        075e9ba825513f0e50ae1a5185d6db0ee405f84e): both fields required, a name loaded once;
+        200 with a line of text. Any path loads (there are no weights to read)."""
+        body = await self._json_body(receive)
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        path = body.get("lora_path") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            message = "Both 'lora_name' and 'lora_path' must be provided."
+            await _send_json(send, 400, _lora_error(400, "InvalidUserInput", message))
+            return
+        if name in self.state.adapters:
+            message = f"The lora adapter '{name}' has already been loaded."
+            await _send_json(send, 400, _lora_error(400, "InvalidUserInput", message))
+            return
+        self.state.adapters[name] = path
+        await _send_text(send, f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _unload_adapter(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """vLLM's ``unload_lora_adapter`` (same file): 404 for a name not loaded."""
+        body = await self._json_body(receive)
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not name:
+            message = "either 'lora_name' and 'lora_int_id' needs to be provided."
+            await _send_json(send, 400, _lora_error(400, "InvalidUserInput", message))
+            return
+        if self.state.adapters.pop(name, None) is None:
+            message = f"The lora adapter '{name}' cannot be found."
+            await _send_json(send, 404, _lora_error(404, "NotFoundError", message))
+            return
+        await _send_text(send, f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = self.state.metrics_text().encode()
@@ -457,7 +522,13 @@ class SimApp:
 
     async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
         cfg = self.state.config
-        tokens = tokenize(await self._json_body(receive), cfg.text_tokens)
+        body = await self._json_body(receive)
+        model = body.get("model") if isinstance(body, dict) else None
+        if model is not None and model != cfg.model and model not in self.state.adapters:
+            # As vLLM's create_tokenize (vllm/entrypoints/openai/serving_tokenization.py,
+            # commit 0492d792466c41a514f0aadc20138dbc88c7a254): the model checked first.
+            raise BadRequest(f"The model `{model}` does not exist.", param="model", status=404)
+        tokens = tokenize(body, cfg.text_tokens)
         await _send_json(
             send, 200, {"count": len(tokens), "max_model_len": cfg.max_model_len, "tokens": tokens}
         )
@@ -556,6 +627,7 @@ class SimApp:
             served_model=cfg.model,
             text=cfg.text_tokens,
             max_model_len=cfg.max_model_len,
+            adapters=state.adapters,
         )
         engine = self._engine_for(scope)
         traceparent = _header(scope, b"traceparent")

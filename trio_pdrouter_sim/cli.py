@@ -66,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default=d.model, help=f"served model name (default {d.model})")
     p.add_argument(
+        "--lora-modules",
+        nargs="*",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters served from the start (vLLM's spelling); more can be loaded at run"
+        " time with POST /v1/load_lora_adapter",
+    )
+    p.add_argument(
         "--max-model-len",
         type=int,
         default=d.max_model_len,
@@ -261,6 +269,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> SimConfig:
     values = vars(args).copy()
     fast = values.pop("fast")
     values["faults"] = tuple(values.pop("fault"))
+    values["lora_modules"] = tuple(values["lora_modules"])
     for spec in values["faults"]:
         try:
             parse_faults(spec)

@@ -60,6 +60,9 @@ class SimConfig:
     role: Role = attrs.field(default="both", validator=_role)
     dp_size: int = attrs.field(default=1, validator=_positive)
     model: str = "sim-model"
+    #: LoRA adapters served from the start, as vLLM's ``--lora-modules name=path`` (a bare
+    #: name: its path is the name); more are loaded at run time (``/v1/load_lora_adapter``).
+    lora_modules: tuple[str, ...] = ()
     max_model_len: int = attrs.field(default=32768, validator=_positive)
     max_num_seqs: int = attrs.field(default=256, validator=_positive)
     prefill_base_s: float = attrs.field(default=0.010, validator=_non_negative)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, Literal
 
 import attrs
@@ -175,13 +176,22 @@ def _kv(body: dict[str, Any]) -> tuple[bool, RemotePrefill | None, bool]:
 
 
 def parse_request(
-    kind: Kind, body: Any, *, served_model: str, text: TextTokens, max_model_len: int
+    kind: Kind,
+    body: Any,
+    *,
+    served_model: str,
+    text: TextTokens,
+    max_model_len: int,
+    adapters: Collection[str] = (),
 ) -> GenRequest:
-    """Validate a decoded JSON body as vLLM would. Raises :class:`BadRequest`."""
+    """Validate a decoded JSON body as vLLM would. Raises :class:`BadRequest`.
+
+    ``model`` may name the served model or one of its LoRA ``adapters``; the answer names the
+    model asked for, as vLLM's does."""
     if not isinstance(body, dict):
         raise BadRequest("Request body must be a JSON object")
     model = body.get("model")
-    if model is not None and model != served_model:
+    if model is not None and model != served_model and model not in adapters:
         raise BadRequest(f"The model `{model}` does not exist.", param="model", status=404)
     if kind == "completions":
         if "prompt" not in body:
@@ -276,7 +286,7 @@ def parse_request(
     remote_decode, remote_prefill, invalid = _kv(body)
     return GenRequest(
         kind=kind,
-        model=served_model,
+        model=model if isinstance(model, str) else served_model,
         prompt=prompt,
         max_tokens=max_tokens,
         min_tokens=min_tokens,

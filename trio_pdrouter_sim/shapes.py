@@ -356,20 +356,17 @@ def chat_usage_chunk(*, request_id: str, created: int, model: str, usage: JSON) 
     }
 
 
-def models_list(model: str, created: int, max_model_len: int) -> JSON:
-    """``GET /v1/models``."""
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": model,
-                "object": "model",
-                "created": created,
-                "owned_by": "vllm",
-                "root": model,
-                "parent": None,
-                "max_model_len": max_model_len,
-                "permission": [],
-            }
-        ],
-    }
+def models_list(
+    model: str, created: int, max_model_len: int, adapters: dict[str, str] | None = None
+) -> JSON:
+    """``GET /v1/models``: the base model, then one card per LoRA adapter (``adapters``: name ->
+    path), whose ``parent`` is the base model and which has no ``max_model_len``, as vLLM's
+    ``show_available_models`` (vllm/entrypoints/openai/serving_models.py, commit
+    075e9ba825513f0e50ae1a5185d6db0ee405f84e)."""
+    card = {"object": "model", "created": created, "owned_by": "vllm", "permission": []}
+    base = {"id": model, **card, "root": model, "parent": None, "max_model_len": max_model_len}
+    loras = [
+        {"id": name, **card, "root": path, "parent": model, "max_model_len": None}
+        for name, path in (adapters or {}).items()
+    ]
+    return {"object": "list", "data": [base, *loras]}

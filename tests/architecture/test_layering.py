@@ -32,7 +32,7 @@ LAYERS = (
     "observe",  # metrics, the access record, log files
     "kv",  # vLLM's KV events: wire, feed, index, forecast, subscriber
     "routing",  # choose and charge; the policies; prompt tokens
-    "fleet",  # the servers, their health, breakers, engine truth, model limits
+    "fleet",  # the servers, their health, breakers, engine truth, served models
     "discovery",  # Kubernetes pods -> servers, through the fleet
     "serve",  # one request's life: proxy, legs, relay, KV ownership, admission
     "app",  # the ASGI app: inference routes, admin routes

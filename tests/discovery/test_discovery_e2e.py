@@ -179,6 +179,8 @@ async def test_a_pod_leaving_gets_no_new_requests_within_a_second_and_in_flight_
     rig.fake.put(p)
     rig.fake.put(pod("w-2", "127.0.0.12"))
     await rig.converge(lambda: rig.urls() == {leaving.url, staying.url}, SETUP)
+    # and both model lists read: until then a request for the model goes to the one known
+    await rig.converge(lambda: rig.router.app.models.unknown() == [], SETUP)
     ledger = rig.router.ledger
     (ep,) = [e for e in rig.router.app.fleet.endpoints() if e.url == leaving.url]
     async with trio.open_nursery() as nursery:

@@ -88,7 +88,7 @@ class Worker:
             )
             for role in ROLES
         }
-        routing = Routing(policies, self.ledger, (), None, by_tokens=())
+        routing = Routing(policies, self.ledger, (), None, by_tokens=(), models=None)
         self.drains = Drains()
         self.fleet = Fleet(
             dp_size=DP,

@@ -54,7 +54,7 @@ def rig(dp_size: int = 1, max_runtime: int = 64) -> Rig:
         )
         for role in (Role.PREFILL, Role.DECODE)
     }
-    routing = Routing(policies, ledger, (health.is_healthy,), None, by_tokens=())
+    routing = Routing(policies, ledger, (health.is_healthy,), None, by_tokens=(), models=None)
     fleet = Fleet(
         dp_size=dp_size,
         routing=routing,

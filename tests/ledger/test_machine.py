@@ -258,7 +258,7 @@ def test_another_worker_chooses_only_once_a_charging_worker_has_charged(
         on_decision=lambda stage, reason: None,
         rng=random.Random(0),
     )
-    routing_b = Routing({Role.DECODE: policy}, b, (), None, by_tokens=())
+    routing_b = Routing({Role.DECODE: policy}, b, (), None, by_tokens=(), models=None)
     routing_b.set_endpoints(Role.DECODE, D)
     chosen: list[Endpoint] = []
 

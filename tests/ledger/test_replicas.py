@@ -152,7 +152,7 @@ def test_routing_chooses_on_own_plus_peer_counts_and_charges_only_its_own_ledger
         on_decision=lambda stage, reason: None,
         rng=random.Random(0),
     )
-    routing = Routing({Role.DECODE: policy}, ledger, (), peers, by_tokens=())
+    routing = Routing({Role.DECODE: policy}, ledger, (), peers, by_tokens=(), models=None)
     routing.set_endpoints(Role.DECODE, [A, B])
     with ledger.lease(B):  # locally B is busier ...
         peers.update({"r2": Snapshot({"decode": {B.key: 0, A.key: 5}})})  # ... but a peer loads A
@@ -174,7 +174,9 @@ def test_a_token_stage_chooses_on_own_plus_peer_token_weights() -> None:
         on_decision=lambda stage, reason: None,
         rng=random.Random(0),
     )
-    routing = Routing({Role.PREFILL: policy}, ledger, (), peers, by_tokens=(Role.PREFILL,))
+    routing = Routing(
+        {Role.PREFILL: policy}, ledger, (), peers, by_tokens=(Role.PREFILL,), models=None
+    )
     routing.set_endpoints(Role.PREFILL, [P, Q])
     key = RoutingKey(prompt_tokens=100)
     with ledger.lease(Q, tokens={Q: 1000}):  # locally Q carries more tokens ...

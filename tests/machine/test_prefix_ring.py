@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from trio_pdrouter.endpoints import Endpoint, Role
 from trio_pdrouter.machine import STAGES, MachineTable, PrefixRing
-from trio_pdrouter.machine.prefix_ring import ENTRIES, LAYOUT, TEXT_BYTES
+from trio_pdrouter.machine.prefix_ring import ENTRIES, LAYOUT, MODEL_BYTES, TEXT_BYTES
 from trio_pdrouter.routing import CacheAware, PolicySettings, RoutingKey
 
 ROWS = 3
@@ -35,8 +35,8 @@ def test_an_insert_reaches_every_other_worker_once(table: MachineTable) -> None:
     feeds = [feed(table, r) for r in range(ROWS)]
     feeds[1].publish("a", "one")
     feeds[1].publish("b", "two")
-    assert feeds[0].news() == [("a", "one"), ("b", "two")]
-    assert feeds[2].news() == [("a", "one"), ("b", "two")]
+    assert feeds[0].news() == [("a", "one", ""), ("b", "two", "")]
+    assert feeds[2].news() == [("a", "one", ""), ("b", "two", "")]
     assert feeds[1].news() == []  # its own
     assert [f.news() for f in feeds] == [[], [], []]
 
@@ -44,7 +44,7 @@ def test_an_insert_reaches_every_other_worker_once(table: MachineTable) -> None:
 def test_stages_have_their_own_rings(table: MachineTable) -> None:
     feed(table, 0, "prefill").publish("a", "prefill text")
     assert feed(table, 1, "decode").news() == []
-    assert feed(table, 1, "prefill").news() == [("a", "prefill text")]
+    assert feed(table, 1, "prefill").news() == [("a", "prefill text", "")]
     assert set(STAGES) == {role.value for role in Role}
 
 
@@ -55,13 +55,13 @@ def test_a_replacement_worker_learns_its_predecessors_and_the_others_inserts(
     dead.publish("a", "before the crash")
     feed(table, 1).publish("b", "from a neighbour")
     again = feed(table, 0)
-    assert again.news() == [("a", "before the crash"), ("b", "from a neighbour")]
+    assert again.news() == [("a", "before the crash", ""), ("b", "from a neighbour", "")]
     again.publish("c", "after")  # continues the row after its predecessor's entries
     neighbour = feed(table, 2)
     assert neighbour.news() == [
-        ("a", "before the crash"),
-        ("b", "from a neighbour"),
-        ("c", "after"),
+        ("a", "before the crash", ""),
+        ("b", "from a neighbour", ""),
+        ("c", "after", ""),
     ]
     assert neighbour.news() == []
 
@@ -73,7 +73,7 @@ def test_news_from_several_workers_comes_in_the_order_it_was_published(
     feeds[2].publish("a", "first")
     feeds[1].publish("b", "second")
     feeds[2].publish("c", "third")
-    assert feeds[0].news() == [("a", "first"), ("b", "second"), ("c", "third")]
+    assert feeds[0].news() == [("a", "first", ""), ("b", "second", ""), ("c", "third", "")]
 
 
 def test_a_reader_far_behind_gets_the_latest_entries_only(table: MachineTable) -> None:
@@ -82,7 +82,7 @@ def test_a_reader_far_behind_gets_the_latest_entries_only(table: MachineTable) -
         writer.publish("a", f"text {i}")
     news = reader.news()
     assert len(news) == ENTRIES
-    assert news[0] == ("a", "text 10") and news[-1] == ("a", f"text {ENTRIES + 9}")
+    assert news[0] == ("a", "text 10", "") and news[-1] == ("a", f"text {ENTRIES + 9}", "")
 
 
 def test_long_texts_keep_their_start_and_a_cut_character_is_dropped(
@@ -91,7 +91,7 @@ def test_long_texts_keep_their_start_and_a_cut_character_is_dropped(
     writer, reader = feed(table, 0), feed(table, 1)
     writer.publish("a", "x" * (TEXT_BYTES - 1) + "é and more")  # é is two bytes: cut in half
     writer.publish("b", "ü" * 10)
-    assert reader.news() == [("a", "x" * (TEXT_BYTES - 1)), ("b", "ü" * 10)]
+    assert reader.news() == [("a", "x" * (TEXT_BYTES - 1), ""), ("b", "ü" * 10, "")]
 
 
 def test_an_entry_being_rewritten_is_skipped(table: MachineTable) -> None:
@@ -101,7 +101,7 @@ def test_an_entry_being_rewritten_is_skipped(table: MachineTable) -> None:
     # The writer is in the middle of rewriting entry 0: its seq is marked invalid.
     at = LAYOUT.entry_at(0)  # the first stage's first row: its ring starts at 0
     table.prefixes[at : at + 8] = (-1).to_bytes(8, "little", signed=True)  # entry 0's seq
-    assert reader.news() == [("b", "second")]
+    assert reader.news() == [("b", "second", "")]
 
 
 def policy(table: MachineTable | None, row: int) -> CacheAware:
@@ -175,3 +175,21 @@ def test_workers_sharing_inserts_choose_as_one_tree_would(
             assert workers[row].choose(EPS, loads, key) == alone.choose(EPS, loads, key)
     finally:
         table.destroy()
+
+
+def test_an_insert_travels_with_its_model(table: MachineTable) -> None:
+    writer, reader = feed(table, 0), feed(table, 1)
+    writer.publish("a", "text", "llama-lora")
+    writer.publish("b", "text")
+    writer.publish("c", "text", "m" * (MODEL_BYTES + 1))  # too long to name its tree: kept home
+    assert reader.news() == [("a", "text", "llama-lora"), ("b", "text", "")]
+
+
+def test_workers_learn_each_models_inserts_into_that_models_tree(table: MachineTable) -> None:
+    a, b = policy(table, 0), policy(table, 1)
+    loads = {EPS[0]: 3, EPS[1]: 0, EPS[2]: 3, EPS[3]: 3}  # balanced: a miss goes to EPS[1]
+    assert a.choose(EPS, loads, RoutingKey(PREFIX + "q", model="one")) == EPS[1]
+    b.choose(EPS, dict.fromkeys(EPS, 0), RoutingKey("unrelated"))  # reads the news
+    assert b.tree_of("one").match(PREFIX)[1] == EPS[1]
+    assert b.tree_of("two").match(PREFIX) == (0, None)
+    assert b.tree.match(PREFIX) == (0, None)

@@ -203,3 +203,31 @@ async def test_each_lookup_reports_where_its_ids_came_from() -> None:
     failing = tokens_for(calls, status=500, outcomes=outcomes)
     await failing.key_with_tokens({"prompt": "x"}, RoutingKey(text="x"))
     assert outcomes == ["engine", "cached", "failed"]
+
+
+async def test_a_named_model_is_tokenized_by_a_server_that_serves_it_and_cached_apart() -> None:
+    asked: list[tuple[str, dict[str, object]]] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        body = orjson.loads(request.content)
+        asked.append((request.url.host, body))
+        ids = [7, 7] if body.get("model") == "beta" else [1, 2, 3]
+        return httpx.Response(200, json={"count": len(ids), "tokens": ids})
+
+    serves = {"a": {"alpha"}, "b": {"beta"}}
+    tokens = PromptTokens(
+        LegClient(transport=httpx.MockTransport(handler)),
+        lambda: ["http://a:1", "http://b:1"],
+        serving=lambda url, model: model in serves[httpx.URL(url).host],
+    )
+    for _ in range(2):  # the second round from the cache
+        for model, ids in (("alpha", (1, 2, 3)), ("beta", (7, 7))):
+            key = await tokens.key_with_tokens({"model": model, "prompt": "hi"}, RoutingKey())
+            assert key.tokens == ids
+    assert asked == [
+        ("a", {"model": "alpha", "prompt": "hi"}),
+        ("b", {"model": "beta", "prompt": "hi"}),
+    ]
+    # a model no server is known to serve: any server (it answers for itself)
+    await tokens.key_with_tokens({"model": "gamma", "prompt": "hi"}, RoutingKey())
+    assert len(asked) == 3

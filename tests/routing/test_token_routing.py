@@ -27,7 +27,7 @@ def routing(policy: str, ledger: LoadLedger, by_tokens: bool, **settings: float)
         )
         for role in (Role.PREFILL, Role.DECODE)
     }
-    r = Routing(policies, ledger, (), None, by_tokens=policies if by_tokens else ())
+    r = Routing(policies, ledger, (), None, by_tokens=policies if by_tokens else (), models=None)
     r.set_endpoints(Role.PREFILL, P)
     r.set_endpoints(Role.DECODE, D)
     return r

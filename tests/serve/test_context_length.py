@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import httpx
 import orjson
 import pytest
@@ -12,7 +10,7 @@ import trio.testing
 
 from tests.cluster import Cluster, start_cluster
 from tests.harness import call, json_response, make_app, pd_config
-from trio_pdrouter.fleet import ModelLimits
+from trio_pdrouter.fleet import ServedModels, ServerModels
 from trio_pdrouter.http import LegClient
 from trio_pdrouter.routing import RoutingKey, prompt_tokens, utf8_size
 from trio_pdrouter.serve import ContextCheck
@@ -26,7 +24,7 @@ async def small_context_cluster(nursery: trio.Nursery) -> Cluster:
     c = await start_cluster(nursery, sim=SimConfig.fast(port=0, max_model_len=LIMIT))
     context = c.router.app.context
     assert context is not None
-    await context.limits.learn_due()  # what its loop does first; done here to know it is done
+    await context.models.learn_due()  # what its loop does first; done here to know it is done
     assert context.bound() == LIMIT
     return c
 
@@ -126,7 +124,7 @@ async def test_a_failing_count_lets_the_request_through(
 
     app, upstream = make_app(pd_config(), handler, background)
     assert app.context is not None
-    await app.context.limits.learn_due()
+    await app.context.models.learn_due()
     assert app.context.bound() == 16
     ex = await call(app, "POST", "/v1/completions", {"prompt": "x" * 400})
     paths = [r.url.path for r in upstream.requests]
@@ -146,16 +144,34 @@ async def test_the_check_can_be_turned_off(background: trio.Nursery) -> None:
 # -- the parts -------------------------------------------------------------------------------
 
 
+def served(limits: dict[str, int | None]) -> ServedModels:
+    """What the servers serve: one model each, with its limit (None: never read)."""
+    known = ServedModels(httpx.AsyncClient(), lambda: list(limits), lambda url: True)
+    for url, n in limits.items():
+        if n is not None:
+            known._known[url] = ServerModels(({"id": "m", "max_model_len": n},))
+    return known
+
+
 def check(limits: dict[str, int | None]) -> ContextCheck:
-    known = ModelLimits(httpx.AsyncClient(), lambda: list(limits))
-    known._limits = {url: n for url, n in limits.items() if n is not None}
-    return ContextCheck(known, lambda: list(limits), None)
+    return ContextCheck(served(limits), lambda: list(limits), None)
 
 
 def test_the_bound_is_the_largest_candidates_and_only_when_all_are_known() -> None:
     assert check({"a": 100, "b": 300}).bound() == 300
     assert check({"a": 100, "b": None}).bound() is None
     assert check({}).bound() is None
+
+
+async def test_the_bound_is_among_the_servers_of_the_requests_model() -> None:
+    models = served({"a": 100, "b": 300})
+    models._known["a"] = ServerModels(({"id": "small", "max_model_len": 100},))
+    c = ContextCheck(models, lambda: ["a", "b"], None)
+    assert c.bound("small") == 100 and c.bound("m") == 300 and c.bound() == 300
+    assert c.bound("other") == 300  # served by none known: every candidate counts
+    key = RoutingKey(tokens=tuple(range(200)), model="small")
+    refused = await c.refusal("/v1/completions", {"max_tokens": 50}, key)
+    assert refused is not None and "maximum context length is 100 tokens" in refused.message
 
 
 async def test_a_prompt_one_candidate_could_hold_is_not_refused() -> None:
@@ -182,79 +198,6 @@ def test_utf8_bytes_of_a_long_text_in_slices() -> None:
     assert utf8_size(text) == 2 * (3 << 20) + 1
 
 
-# -- learning the limits ---------------------------------------------------------------------
-
-
-async def test_limits_are_learnt_retried_with_backoff_and_relearnt(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    answers: list[httpx.Response | Exception] = []
-    asked: list[float] = []
-    all_asked = trio.Event()
-
-    async def handler(request: httpx.Request) -> httpx.Response:
-        asked.append(trio.current_time())
-        answer = answers.pop(0)
-        if not answers:
-            all_asked.set()
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
-    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-    limits = ModelLimits(client, lambda: ["http://d:1"])
-    answers += [
-        httpx.ConnectError("refused"),
-        httpx.Response(200, content=b"not json"),
-        httpx.Response(200, json={"data": [{"id": "m"}]}),
-        httpx.Response(
-            200, json={"data": [{"id": "m", "max_model_len": 4096}, {"max_model_len": 8192}]}
-        ),
-    ]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(limits.run)
-        await all_asked.wait()
-        await trio.testing.wait_all_tasks_blocked()
-        assert limits.of("http://d:1") == 8192  # the largest model the server lists
-        # 1 s, 2 s, 4 s between the tries
-        assert [round(b - a) for a, b in itertools.pairwise(asked)] == [1, 2, 4]
-        all_asked = trio.Event()
-        answers.append(httpx.Response(200, json={"data": [{"max_model_len": 2048}]}))
-        limits.relearn("http://d:1")
-        await all_asked.wait()
-        await trio.testing.wait_all_tasks_blocked()
-        assert limits.of("http://d:1") == 2048
-        nursery.cancel_scope.cancel()
-
-
-async def test_the_learning_loop_survives_a_bug(autojump_clock: trio.testing.MockClock) -> None:
-    calls = 0
-    again = trio.Event()
-
-    def urls() -> list[str]:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            raise RuntimeError("a bug")
-        again.set()
-        return []
-
-    limits = ModelLimits(httpx.AsyncClient(), urls)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(limits.run)
-        await again.wait()  # the pass after the one that raised
-        nursery.cancel_scope.cancel()
-
-
-def test_a_removed_server_is_forgotten() -> None:
-    urls = {"http://a:1"}
-    limits = ModelLimits(httpx.AsyncClient(), lambda: urls)
-    limits._limits["http://a:1"] = 10
-    urls.clear()
-    trio.run(limits.learn_due)
-    assert limits.of("http://a:1") is None
-
-
 @pytest.mark.parametrize(
     "request_body",
     [
@@ -262,6 +205,8 @@ def test_a_removed_server_is_forgotten() -> None:
         {"prompt": ""},
         {"messages": [{"role": "user", "content": "hi"}]},
         {"messages": [{"role": "user", "content": "hi"}], "prompt": "x"},
+        {"model": "sql-lora", "prompt": 'a"b\\c é ' * 9},
+        {"model": 3, "prompt": "x"},
     ],
 )
 async def test_a_count_sends_the_same_json_in_slices(
@@ -280,9 +225,7 @@ async def test_ids_of_a_prompts_start_only_are_not_its_count() -> None:
     counter = prompt_tokens.PromptTokens(
         LegClient(transport=httpx.MockTransport(engine)), lambda: ["http://e:1"]
     )
-    known = ModelLimits(httpx.AsyncClient(), lambda: ["a"])
-    known._limits = {"a": 300}
-    c = ContextCheck(known, lambda: ["a"], counter)
+    c = ContextCheck(served({"a": 300}), lambda: ["a"], counter)
     text = "x" * 2000
     # kv_aware knew the ids of the first 50 tokens only: the engine's count decides.
     key = RoutingKey(text=text, tokens=tuple(range(50)), partial_tokens=True)

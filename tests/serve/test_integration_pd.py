@@ -8,6 +8,7 @@ import pytest
 import trio
 
 from tests.cluster import eventually, held_streams, start_cluster
+from trio_pdrouter.config import HealthSettings
 from trio_pdrouter_sim.config import SimConfig
 
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "Say hello " * 20}]}
@@ -251,9 +252,12 @@ async def test_oversized_request_headers_are_refused_before_the_app() -> None:
         nursery.cancel_scope.cancel()
 
 
-async def test_models_come_from_an_upstream_that_answers_never_a_500() -> None:
+async def test_models_come_from_the_servers_routable_now_never_a_500() -> None:
+    health = HealthSettings(
+        interval_secs=0.05, timeout_secs=2.0, failure_threshold=1, success_threshold=1
+    )
     async with trio.open_nursery() as nursery:
-        c = await start_cluster(nursery, n_decode=2)
+        c = await start_cluster(nursery, n_decode=2, health=health)
         c.decode[0].down()
         await eventually(lambda: _refused(c.decode[0].url))
         resp = await c.client.get(c.url + "/v1/models")
@@ -262,6 +266,13 @@ async def test_models_come_from_an_upstream_that_answers_never_a_500() -> None:
         for sim in [c.decode[1], *c.prefill]:
             sim.down()
             await eventually(lambda sim=sim: _refused(sim.url))
+
+        async def none_routable() -> bool:
+            return not any(
+                c.router.app.routing.candidates(role) for role in c.router.app.routing.roles
+            )
+
+        await eventually(none_routable)  # the probes saw them all go
         resp = await c.client.get(c.url + "/v1/models")
         assert resp.status_code == 503
         assert resp.json()["error"]["type"] == "service_unavailable"

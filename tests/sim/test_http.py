@@ -387,3 +387,36 @@ async def test_stats_series_reset_and_connections() -> None:
             await other.get("/health")
             await wait_for(client, lambda s: s["connections"] == 2)
         await wait_for(client, lambda s: s["connections"] == 1)
+
+
+async def test_lora_adapters_are_listed_served_loaded_and_unloaded() -> None:
+    async with running_sim(model="base", lora_modules=("sql=/a/sql", "chat")) as (_sim, client):
+        listed = (await client.get("/v1/models")).json()["data"]
+        assert [(m["id"], m["parent"], m["root"]) for m in listed] == [
+            ("base", None, "base"),
+            ("sql", "base", "/a/sql"),
+            ("chat", "base", "chat"),
+        ]
+        body = {"model": "sql", "prompt": "hi", "max_tokens": 2}
+        answer = (await client.post("/v1/completions", json=body)).json()
+        assert answer["model"] == "sql"
+        missing = await client.post("/v1/completions", json={**body, "model": "new"})
+        assert missing.status_code == 404
+        assert missing.json()["error"]["message"] == "The model `new` does not exist."
+
+        load = {"lora_name": "new", "lora_path": "/a/new"}
+        loaded = await client.post("/v1/load_lora_adapter", json=load)
+        assert loaded.status_code == 200
+        assert loaded.text == "Success: LoRA adapter 'new' added successfully."
+        assert "content-type" not in loaded.headers  # vLLM's plain Response
+        assert (await client.post("/v1/completions", json={**body, "model": "new"})).is_success
+        twice = await client.post("/v1/load_lora_adapter", json=load)
+        assert twice.status_code == 400 and twice.json()["error"]["type"] == "InvalidUserInput"
+        no_path = await client.post("/v1/load_lora_adapter", json={"lora_name": "x"})
+        assert no_path.status_code == 400
+
+        gone = await client.post("/v1/unload_lora_adapter", json={"lora_name": "new"})
+        assert gone.text == "Success: LoRA adapter 'new' removed successfully."
+        again = await client.post("/v1/unload_lora_adapter", json={"lora_name": "new"})
+        assert again.status_code == 404 and again.json()["error"]["type"] == "NotFoundError"
+        assert "new" not in [m["id"] for m in (await client.get("/v1/models")).json()["data"]]

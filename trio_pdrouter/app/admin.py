@@ -2,7 +2,9 @@
 version, the effective configuration and the end of a sticky session.
 
 ``POST /workers`` and ``DELETE /workers/{url}`` change the fleet (through
-:class:`~trio_pdrouter.fleet.Fleet` only); the others read what the router knows.
+:class:`~trio_pdrouter.fleet.Fleet` only); ``POST /v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` pass to the servers (:meth:`AdminRoutes.adapter`); the others read
+what the router knows.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import trio
 from .. import __version__
 from ..config import RouterConfig, effective
 from ..endpoints import Role
-from ..fleet import DuplicateServer, EngineTruth, Fleet, FleetFull, StartupStatus
+from ..fleet import DuplicateServer, EngineTruth, Fleet, FleetFull, ServedModels, StartupStatus
 from ..http import Receive, Reply, Scope, Send, errors
 from ..kv import KvEvents
 from ..ledger import LoadLedger, PeerLoads, Snapshot, cluster_view
@@ -28,7 +30,7 @@ from ..observe import CONTENT_TYPE, RouterMetrics
 from ..routing import Routing
 from .request_body import BadRequest, read_body, send_reply
 
-__all__ = ["WORKER_PREFIX", "AdminRoutes", "Handler"]
+__all__ = ["ADAPTER_ROUTES", "WORKER_PREFIX", "AdminRoutes", "Handler"]
 
 log = logging.getLogger("trio_pdrouter.access")
 
@@ -37,6 +39,13 @@ Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 WORKER_PREFIX = "/workers/"
 #: Seconds ``GET /version`` waits for each server's own ``/version``.
 VERSION_TIMEOUT = 2.0
+LOAD_ADAPTER = "/v1/load_lora_adapter"
+UNLOAD_ADAPTER = "/v1/unload_lora_adapter"
+#: vLLM's runtime LoRA routes (``--enable-lora`` with VLLM_ALLOW_RUNTIME_LORA_UPDATING): the
+#: router passes them to its servers; admin routes (they change the engines).
+ADAPTER_ROUTES = frozenset({LOAD_ADAPTER, UNLOAD_ADAPTER})
+#: Seconds an engine may take to load or unload an adapter (loading reads it from disk).
+ADAPTER_TIMEOUT = 60.0
 
 
 class AdminRoutes:
@@ -57,6 +66,7 @@ class AdminRoutes:
         peers: PeerLoads | None,
         kv_events: KvEvents | None,
         startup: StartupStatus,
+        models: ServedModels,
     ) -> None:
         self._config = config
         self._fleet = fleet
@@ -68,6 +78,7 @@ class AdminRoutes:
         self._peers = peers
         self._kv_events = kv_events
         self._startup = startup
+        self._models = models
 
     def routes(self) -> dict[str, dict[str, Handler]]:
         """Path -> method -> handler of every admin route but ``DELETE /workers/{url}``
@@ -79,7 +90,9 @@ class AdminRoutes:
             "/readiness": {"GET": self._readiness},
             "/get_loads": {"GET": self._get_loads},
             "/workers": {"GET": self._workers, "POST": self._add_worker},
-            "/v1/models": {"GET": self._models},
+            "/v1/models": {"GET": self._model_list},
+            LOAD_ADAPTER: {"POST": self.adapter},
+            UNLOAD_ADAPTER: {"POST": self.adapter},
             "/metrics": {"GET": self._metrics_route},
             "/debug/kv-index": {"GET": self._kv_index},
             "/version": {"GET": self._version},
@@ -150,7 +163,12 @@ class AdminRoutes:
         await send_reply(send, Reply(200, [(b"content-type", CONTENT_TYPE.encode())], body))
 
     async def _workers(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send_reply(send, Reply.json(orjson.dumps({"workers": self._fleet.workers()})))
+        rows = self._fleet.workers()
+        for row in rows:  # what each server serves; null while its list was never read
+            served = self._models.of(row["url"])
+            row["models"] = None if served is None else served.models
+            row["adapters"] = None if served is None else served.adapters
+        await send_reply(send, Reply.json(orjson.dumps({"workers": rows})))
 
     async def _add_worker(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /workers {"url": ..., "role": "prefill"|"decode"|"regular"}``.
@@ -264,8 +282,18 @@ class AdminRoutes:
         body = {"version": __version__, "flags": effective(self._config)}
         await send_reply(send, Reply.json(orjson.dumps(body)))
 
-    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The model list of the first upstream that answers; never a 500 for one that is down."""
+    async def _model_list(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The union of the models and adapters of the servers routable now (vLLM's list shape,
+        one card per id); while none of them has a known list, the list of the first upstream
+        that answers."""
+        routing = self._routing
+        cards = self._models.cards(
+            {ep.url for role in routing.roles for ep in routing.candidates(role)}
+        )
+        if cards:
+            body = orjson.dumps({"object": "list", "data": cards})
+            await send_reply(send, Reply.json(body))
+            return
         seen: set[str] = set()
         order = (Role.DECODE, Role.REGULAR, Role.PREFILL)
         for role in order:
@@ -281,3 +309,84 @@ class AdminRoutes:
                     await send_reply(send, Reply.json(resp.content))
                     return
         await send_reply(send, Reply.error(errors.no_healthy_endpoint("model-listing")))
+
+    async def adapter(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``, passed to the servers.
+
+        vLLM's body is ``{"lora_name": ..., "lora_path": ...}`` (load) or ``{"lora_name": ...}``
+        (unload), answered 200 with a line of text, or its error (``LoadLoRAAdapterRequest`` and
+        ``OpenAIServingModels.load_lora_adapter`` in vllm/entrypoints/openai/serving_models.py,
+        commit 075e9ba825513f0e50ae1a5185d6db0ee405f84e). A load goes to every healthy server of
+        the fleet, or, when the body names ``base_model`` (the router's own field, not
+        forwarded), to those whose list has that base model; an unload to the healthy servers
+        that list the adapter (all healthy servers if none does). Every server asked is then
+        asked its model list again before the answer, so the next request routes on what each
+        server now serves, whichever of them succeeded. The answer: the first server's when all
+        succeeded, else the first failure's (the log names every server's status).
+        """
+        path = scope["path"]
+        try:
+            raw = await read_body(receive, 64 * 1024, self._config.server.body_timeout)
+        except BadRequest as exc:
+            await send_reply(send, Reply.error(exc.error, exc.headers))
+            return
+        try:
+            body = orjson.loads(raw or b"null")
+        except orjson.JSONDecodeError:
+            body = None
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        if not isinstance(body, dict) or not isinstance(name, str) or not name:
+            error = errors.bad_request("expected a JSON object with 'lora_name'", "lora_name")
+            await send_reply(send, Reply.error(error))
+            return
+        base = body.pop("base_model", None)
+        targets = self._adapter_targets(path, name, base if isinstance(base, str) else None)
+        if not targets and isinstance(base, str):
+            error = errors.bad_request(
+                f"no server taking traffic serves the base model `{base}`", "base_model"
+            )
+            await send_reply(send, Reply.error(error))
+            return
+        if not targets:
+            await send_reply(send, Reply.error(errors.no_healthy_endpoint("adapter")))
+            return
+        content = orjson.dumps(body)
+        headers = {"content-type": "application/json"}
+        if self._config.upstream_api_key:
+            headers["authorization"] = f"Bearer {self._config.upstream_api_key}"
+        answers: dict[str, tuple[int, bytes, str | None]] = {}
+
+        async def one(url: str) -> None:
+            try:
+                resp = await self._client.post(
+                    url + path, content=content, headers=headers, timeout=ADAPTER_TIMEOUT
+                )
+            except httpx.HTTPError as exc:
+                log.warning("adapter path=%s url=%s failed=%r", path, url, exc)
+                error = errors.upstream_failed("adapter", "could not be reached")
+                answers[url] = (error.status, error.body(), "application/json")
+                return
+            answers[url] = (resp.status_code, resp.content, resp.headers.get("content-type"))
+
+        async with trio.open_nursery() as nursery:
+            for url in targets:
+                nursery.start_soon(one, url)
+        await self._models.learn_now(targets)
+        statuses = " ".join(f"{url}={answers[url][0]}" for url in targets)
+        log.info("adapter path=%s lora_name=%s statuses=%s", path, name, statuses)
+        failed = [url for url in targets if answers[url][0] != 200]
+        status, answer, kind = answers[failed[0] if failed else targets[0]]
+        head = [] if kind is None else [(b"content-type", kind.encode("latin-1"))]
+        await send_reply(send, Reply(status, head, answer))
+
+    def _adapter_targets(self, path: str, name: str, base: str | None) -> list[str]:
+        """The healthy servers an adapter route goes to (see :meth:`adapter`)."""
+        routing = self._routing
+        healthy = sorted({ep.url for role in routing.roles for ep in routing.candidates(role)})
+        models = self._models
+        if path == UNLOAD_ADAPTER:
+            listing = [url for url in healthy if name in getattr(models.of(url), "ids", ())]
+            return listing or healthy
+        if base is not None:
+            return [url for url in healthy if base in getattr(models.of(url), "models", ())]
+        return healthy

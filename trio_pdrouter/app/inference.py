@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import attrs
 import orjson
 import trio
 
 from ..config import RouterConfig
+from ..fleet import ServedModels
 from ..http import ROUTES, Receive, Reply, Route, Scope, Send, errors
 from ..ledger import token_count
 from ..observe import ACCESS, RequestRecord, RouterMetrics, access_fields, access_line
@@ -34,7 +36,8 @@ class InferenceRoutes:
     """``POST`` of every route in :data:`~trio_pdrouter.http.ROUTES`: parse, then the proxy.
 
     ``tokens`` are the prompt tokenizer calls (None without a ``kv_aware`` stage), ``context``
-    the context length check (None with ``--no-check-context-length``).
+    the context length check (None with ``--no-check-context-length``), ``models`` what the
+    servers serve (a model none serves is answered 404 here: docs/models.md).
     """
 
     def __init__(
@@ -44,8 +47,10 @@ class InferenceRoutes:
         metrics: RouterMetrics,
         tokens: PromptTokens | None,
         context: ContextCheck | None,
+        models: ServedModels | None = None,
     ) -> None:
         self._config = config
+        self._models = models
         self._proxy = proxy
         self._metrics = metrics
         self._tokens = tokens
@@ -69,7 +74,8 @@ class InferenceRoutes:
                 False,
                 started,
                 status=reply.status,
-                outcome="bad_request",
+                outcome="unknown_model" if exc.error.type == "NotFoundError" else "bad_request",
+                model=exc.model,
                 total_ms=(trio.current_time() - started) * 1000,
                 bytes_out=len(reply.body),
                 client=client_address(scope),
@@ -116,11 +122,22 @@ class InferenceRoutes:
         del raw  # the parsed body is all that is kept: one copy less while checks await
         route = ROUTES[scope["path"]]
         _validate(route, body)
+        model = body.get("model")
+        if (
+            isinstance(model, str)
+            and self._models is not None
+            and await self._models.recheck(model)
+        ):
+            raise BadRequest(
+                errors.model_not_found(model), model=model
+            )  # before any engine is touched
         if nested_deeper_than(body, MAX_JSON_DEPTH):
             raise BadRequest(errors.bad_request(f"JSON nested deeper than {MAX_JSON_DEPTH} levels"))
         stream = body.get("stream", False)
         key = routing_key(body, headers)
-        if self._tokens is not None:
+        if isinstance(model, str) and self._models is not None and self._models.is_adapter(model):
+            key = attrs.evolve(key, adapter=True)  # kv_aware does not look its ids up
+        if self._tokens is not None and not key.adapter:
             key = await self._tokens.key_with_tokens(body, key)
         if self._context is not None:
             # Before anything is chosen or charged: a prompt no decode could hold.

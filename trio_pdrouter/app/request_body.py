@@ -18,12 +18,16 @@ CLOSE = ((b"connection", b"close"),)
 
 
 class BadRequest(Exception):
-    """A request refused before it reaches the proxy, with the headers of its answer."""
+    """A request refused before it reaches the proxy, with the headers of its answer (and the
+    model it named, when it was read, for the access line and the per-model metrics)."""
 
-    def __init__(self, error: RouterError, headers: Headers = ()) -> None:
+    def __init__(
+        self, error: RouterError, headers: Headers = (), *, model: str | None = None
+    ) -> None:
         super().__init__(error.message)
         self.error = error
         self.headers = headers
+        self.model = model
 
 
 async def read_body(receive: Receive, limit: int, seconds: float) -> bytes | None:

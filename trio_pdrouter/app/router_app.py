@@ -9,7 +9,8 @@ Two keys, two audiences. ``--api-key`` is the clients': every route but the open
 /workers/...`` — and those that show its insides, ``/admin/*`` and ``/debug/*``, need
 ``--admin-api-key``'s key instead (the clients' key never opens them); without an admin key
 they are off (403), unless ``--admin-from-loopback`` lets a peer on 127.0.0.0/8 or ::1 in (the
-TCP peer: a proxy on the same host counts as loopback).
+TCP peer: a proxy on the same host counts as loopback). ``POST /v1/load_lora_adapter`` and
+``POST /v1/unload_lora_adapter`` change the engines' state, so they are admin routes too.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ import hmac
 import ipaddress
 
 from ..config import RouterConfig
-from ..fleet import EngineTruth, Fleet, HealthBoard, StartupStatus, Verdicts
+from ..fleet import EngineTruth, Fleet, HealthBoard, ServedModels, StartupStatus, Verdicts
 from ..http import ROUTES, Cors, Receive, Reply, Scope, Send, answer_lifespan, errors, origin_of
 from ..kv import KvEvents
 from ..ledger import LoadLedger, PeerLoads
 from ..observe import RouterMetrics
 from ..routing import Routing
 from ..serve import ContextCheck, Proxy
-from .admin import WORKER_PREFIX, AdminRoutes, Handler
+from .admin import ADAPTER_ROUTES, WORKER_PREFIX, AdminRoutes, Handler
 from .inference import InferenceRoutes
 from .request_body import CLOSE, send_reply
 
@@ -62,6 +63,7 @@ class RouterApp:
         verdicts: Verdicts | None,
         kv_events: KvEvents | None,
         context: ContextCheck | None,
+        models: ServedModels,
         inference: InferenceRoutes,
         admin: AdminRoutes,
         startup: StartupStatus,
@@ -87,6 +89,8 @@ class RouterApp:
         self.kv_events = kv_events
         #: Refuses prompts no candidate could hold (None with --no-check-context-length).
         self.context = context
+        #: Each server's models and adapters, learnt by their own loop (run by run_router).
+        self.models = models
         #: The start-up wait for the command line's servers (run by
         #: :func:`~trio_pdrouter.server.run_router`).
         self.startup = startup
@@ -185,7 +189,7 @@ def _head_size(scope: Scope) -> int:
 
 def _admin_only(method: str, path: str) -> bool:
     """An admin route (module doc): adds or removes servers, or shows the router's insides."""
-    if path.startswith(("/debug/", "/admin/")):
+    if path.startswith(("/debug/", "/admin/")) or path in ADAPTER_ROUTES:
         return True
     return method in ("POST", "DELETE") and (path == "/workers" or path.startswith(WORKER_PREFIX))
 

@@ -27,7 +27,13 @@ OTHER_CONNECTORS = (
 PROGRAM_SCHEDULING = (
     "program-level scheduling is not implemented; requests are scheduled one by one"
 )
-IGW = "multi-model IGW mode is not implemented; run one router per model"
+IGW = (
+    "vllm-router's IGW router manager (regular and PD routers side by side over one worker"
+    " registry, workers registered with a model_id, type, priority, cost and policy) is not"
+    " implemented; several models and LoRA adapters behind one router need no flag here (each"
+    " server's models are learnt from its GET /v1/models and requests routed by model:"
+    " docs/models.md): leave --enable-igw out"
+)
 MINI_LB = "MiniLB is not implemented; leave --mini-lb out: the PD router does its job"
 WASM = (
     "WASM middleware is not implemented; put request middleware in a proxy in front of the router"

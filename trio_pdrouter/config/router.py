@@ -225,6 +225,19 @@ class RouterConfig:
             action=argparse.BooleanOptionalAction,
         ),
     )
+    models_refresh_interval: float = setting(
+        30.0,
+        Flag(
+            "--models-refresh-interval",
+            Group.UPSTREAMS,
+            "ask every healthy server's GET /v1/models (its models and LoRA adapters) this"
+            " often; they are also asked when a server turns healthy and after an adapter is"
+            " loaded or unloaded through the router; 0: not on a schedule",
+            type=float,
+            metavar="SECS",
+        ),
+        check=must(lambda s: s >= 0, "must be 0 (off) or a positive number"),
+    )
     check_context_length: bool = setting(
         True,
         Flag(

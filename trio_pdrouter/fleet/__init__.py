@@ -3,8 +3,9 @@
 :class:`Fleet` is the only place a server is added or removed (command line, admin routes,
 discovery; with ``--workers N`` through the machine's change log). Around it: health probes
 (:class:`HealthBoard`, shared across workers by :class:`MachineVerdicts`), circuit breakers fed
-by real outcomes, each server's context length (:class:`ModelLimits`), the engines' own counts
-beside the ledger (:class:`EngineTruth`), and waiting at start for the servers to be healthy.
+by real outcomes, each server's models, adapters and context length (:class:`ServedModels`),
+the engines' own counts beside the ledger (:class:`EngineTruth`), and waiting at start for the
+servers to be healthy.
 
 Contract: a server is routable only through the fleet. May import routing and below.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 from .breakers import Breakers
 from .engine_truth import EngineLoad, EngineTruth, ScrapeError, endpoint_loads, parse_engine_loads
 from .health import HealthBoard, Verdicts
-from .model_limits import ModelLimits
+from .served_models import ServedModels, ServerModels
 from .servers import API, DuplicateServer, Fleet, FleetFull, MachineServers, Origin, PodRef
 from .startup import StartupStatus, StartupTimeout, wait_until_healthy
 from .verdicts import PROBER_ROW, MachineVerdicts
@@ -31,10 +32,11 @@ __all__ = [
     "HealthBoard",
     "MachineServers",
     "MachineVerdicts",
-    "ModelLimits",
     "Origin",
     "PodRef",
     "ScrapeError",
+    "ServedModels",
+    "ServerModels",
     "StartupStatus",
     "StartupTimeout",
     "Verdicts",

@@ -60,6 +60,13 @@ def not_found(path: str) -> RouterError:
     return RouterError(404, f"no route for {path}", "not_found_error")
 
 
+def model_not_found(model: str) -> RouterError:
+    """vLLM's answer for a model it does not serve (``_check_model`` in
+    vllm/entrypoints/openai/serving_engine.py, commit 0030b9ffce2b2e8b8e9f04a7b108f5877193cec0):
+    404, ``NotFoundError``; ``param`` names the field, as the simulator's does."""
+    return RouterError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+
 def method_not_allowed(method: str, path: str) -> RouterError:
     return RouterError(405, f"method {method} is not allowed on {path}", "invalid_request_error")
 

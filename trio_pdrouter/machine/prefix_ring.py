@@ -11,8 +11,11 @@ Rules of this module (the layout and the only code that reads or writes it):
   :data:`ENTRIES` entries (:mod:`.ring`: one writer, no lock, entries stamped and checked); an
   entry's payload is::
 
-      key length uint16, text length uint32, the key (at most KEY_BYTES), the text (at most
+      key length uint16, model length uint16, text length uint32, the key (at most KEY_BYTES),
+      the model (at most MODEL_BYTES; empty for a request that named none), the text (at most
       TEXT_BYTES)
+
+  (the model says which of the per-model trees the insert belongs to: docs/models.md).
 
 * :meth:`PrefixRing.news` returns all rows' entries merged in stamp order, so a tree learns the
   inserts in the order they happened and its most-recent owner of a prefix is the machine's.
@@ -30,13 +33,14 @@ import struct
 
 from .ring import RingLayout, StageRings
 
-__all__ = ["ENTRIES", "KEY_BYTES", "LAYOUT", "TEXT_BYTES", "PrefixRing"]
+__all__ = ["ENTRIES", "KEY_BYTES", "LAYOUT", "MODEL_BYTES", "TEXT_BYTES", "PrefixRing"]
 
 ENTRIES = 256
 KEY_BYTES = 256
+MODEL_BYTES = 256
 TEXT_BYTES = 4096
-_LENGTHS = struct.Struct("<HI")
-LAYOUT = RingLayout(ENTRIES, _LENGTHS.size + KEY_BYTES + TEXT_BYTES)
+_LENGTHS = struct.Struct("<HHI")
+LAYOUT = RingLayout(ENTRIES, _LENGTHS.size + KEY_BYTES + MODEL_BYTES + TEXT_BYTES)
 
 
 class PrefixRing:
@@ -50,18 +54,24 @@ class PrefixRing:
         # Everything published before is news once: the predecessor's inserts and the others'.
         self._seen = [0] * rows
 
-    def publish(self, key: str, text: str) -> None:
-        """Tell the other workers that ``text`` was inserted under endpoint ``key``."""
+    def publish(self, key: str, text: str, model: str = "") -> None:
+        """Tell the other workers that ``text`` was inserted under endpoint ``key`` in the tree
+        of ``model``. A model name longer than ``MODEL_BYTES`` is not published (cut, it could
+        name another model's tree)."""
+        raw_model = model.encode("utf-8", "surrogatepass")
+        if len(raw_model) > MODEL_BYTES:
+            return
         raw_key = key.encode()[:KEY_BYTES]
         raw_text = text[:TEXT_BYTES].encode("utf-8", "surrogatepass")[:TEXT_BYTES]
-        payload = _LENGTHS.pack(len(raw_key), len(raw_text)) + raw_key + raw_text
+        lengths = _LENGTHS.pack(len(raw_key), len(raw_model), len(raw_text))
+        payload = lengths + raw_key + raw_model + raw_text
         self._rings.write(self._row, self._next, payload)
         self._next += 1
 
-    def news(self) -> list[tuple[str, str]]:
-        """(endpoint key, text) of every insert published since the last call, oldest first,
-        leaving out this worker's own since it started."""
-        out: list[tuple[int, str, str]] = []
+    def news(self) -> list[tuple[str, str, str]]:
+        """(endpoint key, text, model) of every insert published since the last call, oldest
+        first, leaving out this worker's own since it started."""
+        out: list[tuple[int, str, str, str]] = []
         rings = self._rings
         for r in range(rings.rows):
             head = self._start if r == self._row else rings.head(r)[0]
@@ -69,13 +79,15 @@ class PrefixRing:
                 entry = rings.read(r, i)
                 if entry is not None:
                     stamp, payload = entry
-                    key_len, text_len = _LENGTHS.unpack_from(payload)
-                    key = payload[_LENGTHS.size : _LENGTHS.size + key_len]
-                    text = payload[_LENGTHS.size + key_len : _LENGTHS.size + key_len + text_len]
-                    out.append(
-                        (stamp, key.decode(errors="replace"), text.decode("utf-8", "ignore"))
-                    )
+                    key_len, model_len, text_len = _LENGTHS.unpack_from(payload)
+                    at = _LENGTHS.size
+                    key = payload[at : at + key_len].decode(errors="replace")
+                    at += key_len
+                    model = payload[at : at + model_len].decode("utf-8", "replace")
+                    at += model_len
+                    text = payload[at : at + text_len].decode("utf-8", "ignore")
+                    out.append((stamp, key, text, model))
             self._seen[r] = max(self._seen[r], head)
         if len(out) > 1:
             out.sort(key=lambda entry: entry[0])
-        return [(key, text) for _, key, text in out]
+        return [(key, text, model) for _, key, text, model in out]

@@ -11,6 +11,11 @@ What feeds each metric:
   :class:`~trio_pdrouter.observe.record.RequestRecord`): ``requests_total``, ``ttfb_seconds``,
   ``request_duration_seconds``, ``prefill_duration_seconds``, ``decode_duration_seconds``,
   ``upstream_errors_total``, ``retries_total``, ``admission_rejections_total``;
+* the end of every inference request, by model: ``model_requests_total``, ``model_tokens_total``
+  (the ``model`` label is the request's model when some server lists it, ``unknown`` for any
+  other name, ``none`` when the request named none: the label values stay as few as the fleet's
+  models); what the servers serve (:meth:`RouterMetrics.watch_models`):
+  ``servers_models_unknown``;
 * the proxy's stranded-KV release (:meth:`RouterMetrics.stranded_kv`,
   :meth:`~RouterMetrics.stranded_kv_refused_by`, :meth:`~RouterMetrics.late_prefill_answer`):
   ``stranded_kv_handoffs``, ``stranded_kv_refused_total``,
@@ -108,6 +113,27 @@ class RouterMetrics:
             ["route", "status", "stream", "outcome"],
             registry=r,
         )
+        self.model_requests = Counter(
+            p + "model_requests",
+            "Inference requests answered, by the model they named (a model no server lists:"
+            " 'unknown'; none named: 'none') and outcome.",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.model_tokens = Counter(
+            p + "model_tokens",
+            "Tokens of the inference requests answered, as the engines counted them (usage), by"
+            " model (as model_requests_total) and kind (prompt, completion).",
+            ["model", "kind"],
+            registry=r,
+        )
+        self.models_unknown = Gauge(
+            p + "servers_models_unknown",
+            "Servers whose GET /v1/models was never read: each is assumed to serve only the"
+            " models no candidate with a known list serves, and requests naming no model.",
+            registry=r,
+        )
+        self._served: Callable[[], frozenset[str]] = frozenset
         self.in_flight = Gauge(
             p + "in_flight",
             "Requests the router has charged to an endpoint and not yet released (the load"
@@ -327,6 +353,20 @@ class RouterMetrics:
 
         self._before_exposition.extend((self.vllm.refresh, known_labels))
 
+    def watch_models(
+        self, served: Callable[[], frozenset[str]], unknown: Callable[[], int]
+    ) -> None:
+        """``served`` gives the model ids some server lists (the ``model`` label's values),
+        ``unknown`` how many servers' lists were never read (read at every scrape)."""
+        self._served = served
+        self._before_exposition.append(lambda: self.models_unknown.set(unknown()))
+
+    def model_label(self, model: str | None) -> str:
+        """The ``model`` label of a request naming ``model`` (bounded: see the module doc)."""
+        if model is None:
+            return "none"
+        return model if model in self._served() else "unknown"
+
     def watch_restarts(self, restarts: Callable[[], int]) -> None:
         """With ``--workers N``: ``trio_pdrouter_worker_restarts_total`` reads the machine's
         count (every worker answers the same); a single process shows 0."""
@@ -336,6 +376,12 @@ class RouterMetrics:
         """Account for one finished inference request."""
         stream = "true" if rec.stream else "false"
         self.requests.labels(rec.route, str(rec.status), stream, rec.outcome).inc()
+        model = self.model_label(rec.model)
+        self.model_requests.labels(model, rec.outcome).inc()
+        if rec.prompt_tokens:
+            self.model_tokens.labels(model, "prompt").inc(rec.prompt_tokens)
+        if rec.completion_tokens:
+            self.model_tokens.labels(model, "completion").inc(rec.completion_tokens)
         if rec.total_ms is not None:
             self.duration.labels(rec.route, stream).observe(rec.total_ms / 1000)
         if rec.ttfb_ms is not None:

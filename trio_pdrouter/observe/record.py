@@ -27,7 +27,7 @@ class RequestRecord:
     decode: str | None = None
     status: int = 0
     #: See :func:`trio_pdrouter.serve.lifecycle.outcome`; ``bad_request`` for a request refused
-    #: before it was parsed.
+    #: before it was parsed, ``unknown_model`` for one naming a model no server serves.
     outcome: str = "ok"
     prefill_ms: float | None = None
     ttfb_ms: float | None = None
@@ -62,7 +62,7 @@ class RequestRecord:
 
 
 #: Outcomes where nothing failed on the router's side.
-SERVED = frozenset({"ok", "bad_request", "upstream_status", "client_disconnect"})
+SERVED = frozenset({"ok", "bad_request", "unknown_model", "upstream_status", "client_disconnect"})
 
 
 def access_fields(rec: RequestRecord) -> dict[str, Any]:

@@ -78,6 +78,14 @@ class KeepsSessions(Protocol):
         ...
 
 
+class ServesModels(Protocol):
+    """Which endpoints serve a model (:class:`~trio_pdrouter.fleet.ServedModels`)."""
+
+    def serving(self, candidates: Sequence[Endpoint], model: str) -> list[Endpoint]:
+        """Those of ``candidates`` a request naming ``model`` may go to."""
+        ...
+
+
 #: Extra admission test per endpoint (health, circuit breaker); True = may take traffic.
 Admits = Callable[[Endpoint], bool]
 
@@ -88,8 +96,10 @@ class Routing:
     ``policies`` names the roles of this mode (prefill and decode, or regular); ``admits`` are
     the checks every candidate must pass; ``peers``, when given, adds the other replicas' loads
     to this one's in every choice (charges still go to this replica's ledger only);
-    ``by_tokens`` names the roles whose load metric is tokens. The endpoint lists start empty and
-    change only through :meth:`set_endpoints`, which the fleet calls.
+    ``by_tokens`` names the roles whose load metric is tokens; ``models``, when given, keeps a
+    request that names a model on the endpoints that serve it (in PD mode both legs). The
+    endpoint lists start empty and change only through :meth:`set_endpoints`, which the fleet
+    calls.
     """
 
     def __init__(
@@ -100,8 +110,10 @@ class Routing:
         peers: PeerLoads | None,
         *,
         by_tokens: Collection[Role],
+        models: ServesModels | None,
     ) -> None:
         self._ledger = ledger
+        self._models = models
         self._peers = peers
         self._by_tokens = frozenset(by_tokens)
         self._prefixes = {
@@ -156,6 +168,8 @@ class Routing:
         """The endpoint chosen, the token weight to charge it with, and the policy's callback
         for the release of that charge (:class:`Forecasts`)."""
         candidates = self.candidates(role)
+        if key.model is not None and self._models is not None:
+            candidates = self._models.serving(candidates, key.model)
         if avoid_urls:
             candidates = [ep for ep in candidates if ep.url not in avoid_urls] or candidates
         if not candidates:

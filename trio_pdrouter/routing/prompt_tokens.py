@@ -8,7 +8,13 @@ request's chat-template fields), which renders and tokenizes exactly as the engi
 The rules:
 
 * At most one call per request, to one healthy server of the stage that routes on tokens, taken
-  in turn; only while a ``kv_aware`` stage exists (the caller decides).
+  in turn; only while a ``kv_aware`` stage exists (the caller decides). A request that names a
+  ``model`` asks a server that serves it (``serving``; any server when none is known to), with
+  the model in the body: vLLM checks the model as for a generation and tokenizes with that
+  model's (or adapter's) tokenizer (``create_tokenize`` in
+  vllm/entrypoints/openai/serving_tokenization.py, commit
+  0492d792466c41a514f0aadc20138dbc88c7a254), and answers are cached per model. A local
+  tokenizer is one model's: it serves every request alike.
 * With a :class:`~trio_pdrouter.routing.tokenizer.LocalTokenizer` (``--kv-tokenizer-path``) the
   router tokenizes itself, and asks an engine only for what that declines.
 * With ``cut_chars`` (``--kv-tokenize-cut-chars``, off by default), a text prompt whose start
@@ -103,19 +109,22 @@ def tokenize_request(body: Mapping[str, object]) -> dict[str, object] | None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
+    model = body.get("model")
+    named: dict[str, object] = {"model": model} if isinstance(model, str) else {}
     if isinstance(prompt, str) and prompt:
-        return {"prompt": prompt}
+        return {**named, "prompt": prompt}
     messages = body.get("messages")
     if isinstance(messages, list) and messages:
-        out: dict[str, object] = {"messages": messages}
+        out: dict[str, object] = {**named, "messages": messages}
         out.update({f: body[f] for f in _CHAT_FIELDS if f in body})
         return out
     return None
 
 
 class PromptTokens:
-    """Asks the servers given by ``servers`` (healthy URLs, called per request) to tokenize;
-    ``seen`` gives how much of a text this router has routed before (module doc)."""
+    """Asks the servers given by ``servers`` (healthy URLs, called per request) to tokenize,
+    those of them ``serving`` a request's model when it names one; ``seen`` gives how much of a
+    text this router has routed before (module doc)."""
 
     def __init__(
         self,
@@ -130,8 +139,10 @@ class PromptTokens:
         seen: Callable[[str], int] | None = None,
         cut_chars: int = 0,
         on_outcome: Callable[[str], None] = lambda _outcome: None,
+        serving: Callable[[str, str], bool] | None = None,
     ) -> None:
         self._client = client
+        self._serving = serving
         self._local = local
         self._servers = servers
         self._timeout_s = timeout_s
@@ -166,7 +177,8 @@ class PromptTokens:
             if self._local is not None and self._local.stitches:
                 ids = await self._stitched(self._local, prompt, cut)
                 return attrs.evolve(key, tokens=ids, prompt_tokens=len(ids))
-            start = await self._tokens({"prompt": prompt[:cut]})
+            named = {"model": request["model"]} if "model" in request else {}
+            start = await self._tokens({**named, "prompt": prompt[:cut]})
             if start is None or len(start) <= CUT_MARGIN_TOKENS:
                 return key
             rest = prompt_tokens(prompt[cut:])
@@ -236,7 +248,7 @@ class PromptTokens:
         tokens = await self._local.ids(request) if self._local is not None else None
         outcome = "local"
         if tokens is None:
-            tokens = await self._ask(raw)
+            tokens = await self._ask(raw, _model_of(request))
             outcome = "engine" if tokens is not None else "failed"
         self._on_outcome(outcome)
         if tokens is not None:
@@ -268,9 +280,9 @@ class PromptTokens:
             ) as resp:
                 return await _read_count(resp) if resp.status_code == 200 else None
 
-        return await self._post(exchange)
+        return await self._post(exchange, _model_of(request))
 
-    async def _ask(self, raw: bytes) -> tuple[int, ...] | None:
+    async def _ask(self, raw: bytes, model: str | None) -> tuple[int, ...] | None:
         async def exchange(url: str) -> tuple[int, ...] | None:
             # Straight to the transport (LegClient.open_post), as the legs go: this call runs
             # for every request that kv_aware routes.
@@ -279,12 +291,18 @@ class PromptTokens:
             )
             return _tokens_in(answer.content) if answer.status_code == 200 else None
 
-        return await self._post(exchange)
+        return await self._post(exchange, model)
 
-    async def _post(self, exchange: Callable[[str], Awaitable[T | None]]) -> T | None:
-        """Run ``exchange`` with the next server's ``/tokenize`` URL; None (counted in
-        ``failures``) on anything but an answer: any failure lets the request through."""
+    async def _post(
+        self, exchange: Callable[[str], Awaitable[T | None]], model: str | None
+    ) -> T | None:
+        """Run ``exchange`` with the next server's ``/tokenize`` URL (one serving ``model``
+        when one is known to); None (counted in ``failures``) on anything but an answer: any
+        failure lets the request through."""
         servers = self._servers()
+        if model is not None and self._serving is not None:
+            serving = self._serving
+            servers = [url for url in servers if serving(url, model)] or servers
         if not servers:
             return None
         self._turn = (self._turn + 1) % len(servers)
@@ -299,6 +317,11 @@ class PromptTokens:
         if answer is None:
             self.failures += 1
         return answer
+
+
+def _model_of(request: Mapping[str, object]) -> str | None:
+    model = request.get("model")
+    return model if isinstance(model, str) else None
 
 
 def _ids_in(value: tuple[int, ...] | Start) -> int:
@@ -329,10 +352,12 @@ async def _json_in_slices(request: Mapping[str, object]) -> AsyncIterator[bytes]
     """``orjson.dumps(request)``, a text prompt's slices encoded one at a time (a JSON string
     escapes character by character, so its slices' escapes join into the whole's)."""
     prompt = request.get("prompt")
-    if not isinstance(prompt, str) or len(request) != 1:
+    model = request.get("model")
+    named = isinstance(model, str) and len(request) == 2
+    if not isinstance(prompt, str) or (len(request) != 1 and not named):
         yield orjson.dumps(request)
         return
-    yield b'{"prompt":"'
+    yield b'{"model":' + orjson.dumps(model) + b',"prompt":"' if named else b'{"prompt":"'
     for start in range(0, len(prompt), SLICE_CHARS):
         yield orjson.dumps(prompt[start : start + SLICE_CHARS])[1:-1]
     yield b'"}'

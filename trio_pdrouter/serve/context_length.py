@@ -8,9 +8,9 @@ shape: 400, ``BadRequestError``.
 The rules:
 
 * The bound is the largest ``max_model_len`` among the servers the request could be sent to
-  now (the healthy decode servers, or regular workers; :mod:`trio_pdrouter.fleet.model_limits`):
-  refused means no candidate would take it. While any candidate's limit is unknown, nothing is
-  refused.
+  now (the healthy decode servers, or regular workers, that serve its ``model``:
+  :mod:`trio_pdrouter.fleet.served_models`): refused means no candidate would take it.
+  While any candidate's limit is unknown, nothing is refused.
 * The tokens counted are those vLLM counts: the prompt, plus the request's cap
   (``max_completion_tokens`` or else ``max_tokens`` for a chat; ``max_tokens``, by default 16,
   for a completion). A chat without a cap is refused when its prompt alone fills the context.
@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from ..fleet import ModelLimits
+from ..fleet import ServedModels
 from ..http import RouterError
 from ..routing import PromptTokens, RoutingKey, tokenize_request, utf8_size
 
@@ -54,18 +54,22 @@ class ContextCheck:
 
     def __init__(
         self,
-        limits: ModelLimits,
+        models: ServedModels,
         servers: Callable[[], Collection[str]],
         tokens: PromptTokens | None,
     ) -> None:
         #: Learnt by its own loop, which :func:`~trio_pdrouter.server.run_router` runs.
-        self.limits = limits
+        self.models = models
         self._servers = servers
         self._tokens = tokens
 
-    def bound(self) -> int | None:
-        """The largest context among the candidates, None if any is unknown (or none is)."""
-        limits = [self.limits.of(url) for url in self._servers()]
+    def bound(self, model: str | None = None) -> int | None:
+        """The largest context among the candidates (those that serve ``model`` when it is
+        given and some do), None if any is unknown (or none is)."""
+        servers = list(self._servers())
+        if model is not None:
+            servers = [url for url in servers if self.models.may_serve(url, model)] or servers
+        limits = [self.models.limit(url) for url in servers]
         if not limits or any(limit is None for limit in limits):
             return None
         return max(limit for limit in limits if limit is not None)
@@ -76,7 +80,7 @@ class ContextCheck:
         """vLLM's answer for a prompt that cannot fit, else None."""
         if path not in (CHAT, COMPLETIONS):
             return None
-        bound = self.bound()
+        bound = self.bound(key.model)
         if bound is None:
             return None
         cap = _cap(path, body)

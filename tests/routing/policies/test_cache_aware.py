@@ -8,6 +8,7 @@ import pytest
 
 from trio_pdrouter.endpoints import Endpoint, Role
 from trio_pdrouter.routing import CacheAware, PolicySettings, RoutingKey
+from trio_pdrouter.routing.policies import cache_aware
 
 EPS = [Endpoint("http://10.0.0.1:8000", Role.DECODE, rank) for rank in range(4)]
 PREFIX = "You are a helpful assistant. " * 10
@@ -126,3 +127,33 @@ def test_maintain_evicts_to_max_tree_size() -> None:
     policy.maintain()
     assert all(n <= 100 for n in policy.tree.tenants().values())
     policy.tree._check_invariants()
+
+
+def test_prefix_state_is_kept_per_model() -> None:
+    """Two models' identical prompts do not attract each other: each model has its tree."""
+    policy = make()
+    even = dict.fromkeys(EPS, 0)
+    text = PREFIX + "a question"
+    first = policy.choose(EPS, even, RoutingKey(text, model="alpha"))
+    # The same prompt under another model: no hit (it goes to the least loaded, away from
+    # the first model's endpoint here), and it is remembered in that model's tree only.
+    loads = {ep: 0 if ep != first else 1 for ep in EPS}
+    other = policy.choose(EPS, loads, RoutingKey(text, model="beta"))
+    assert other != first
+    assert policy.tree_of("alpha").match(PREFIX) == (len(PREFIX), first)
+    assert policy.tree_of("beta").match(PREFIX) == (len(PREFIX), other)
+    assert policy.tree.match(PREFIX) == (0, None)  # requests naming no model: their own
+    # each model's next request follows its own model's earlier one
+    assert policy.choose(EPS, even, RoutingKey(PREFIX + "more", model="alpha")) == first
+    assert policy.choose(EPS, even, RoutingKey(PREFIX + "more", model="beta")) == other
+    # the token weights too: the prompt is cached where its model sent it, not elsewhere
+    held = policy.uncached_tokens(EPS, RoutingKey(text, prompt_tokens=100, model="beta"))
+    assert held[other] == 0 and held[first] == 100
+
+
+def test_trees_are_bounded_in_number(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cache_aware, "MAX_TREES", 3)
+    policy = make()
+    for model in ("a", "b", "c", "d"):
+        policy.choose(EPS, dict.fromkeys(EPS, 0), RoutingKey(PREFIX, model=model))
+    assert sorted(policy._trees) == ["b", "c", "d"]  # the least recently used went

@@ -177,6 +177,7 @@ def prefill_routing(view: View) -> tuple[Routing, LoadLedger]:
         (),
         None,
         by_tokens=(Role.PREFILL,),
+        models=None,
     )
     routing.set_endpoints(Role.PREFILL, EPS)
     return routing, ledger
@@ -217,6 +218,7 @@ def test_a_prefill_chosen_for_a_request_no_decode_can_take_is_not_forecast() -> 
         (),
         None,
         by_tokens=(Role.PREFILL,),
+        models=None,
     )
     routing.set_endpoints(Role.PREFILL, EPS)
     key = RoutingKey(text=TEXT, prompt_tokens=len(TOKENS), tokens=TOKENS)
@@ -304,6 +306,23 @@ def test_without_tokens_it_decides_as_cache_aware() -> None:
     assert policy.choose(EPS, dict.fromkeys(EPS, 0), key) == EPS[1]
     assert policy.last.reason == "no_tokens"
     assert make(None).choose(EPS, dict.fromkeys(EPS, 0), KEY) in EPS
+
+
+def test_an_adapters_request_is_not_looked_up_in_the_base_models_blocks() -> None:
+    """vLLM hashes an adapter's blocks apart: the base model's blocks on EPS[1] are no hit for
+    it; it goes where the adapter's own prompts went (its estimate tree), and is charged whole."""
+    view = View()
+    view.store(EPS[1], 8)  # the base model's blocks of these very tokens
+    policy = make(view)
+    policy.estimate.tree_of("sql-lora").insert(TEXT, EPS[2])
+    key = RoutingKey(text=TEXT, tokens=TOKENS, prompt_tokens=32, model="sql-lora", adapter=True)
+    even = dict.fromkeys(EPS, 0)
+    assert policy.uncached_tokens(EPS, key)[EPS[1]] == 32
+    assert policy.choose(EPS, even, key) == EPS[2]
+    assert policy.last.reason == "adapter"
+    base = RoutingKey(text=TEXT, tokens=TOKENS, model="base")
+    assert policy.choose(EPS, even, base) == EPS[1]  # the base model's request: a hit
+    assert policy.last.reason == "kv_hit"
 
 
 def test_unbalanced_loads_go_to_the_least_loaded() -> None:

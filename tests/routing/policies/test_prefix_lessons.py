@@ -135,7 +135,7 @@ def test_a_request_no_decode_can_take_leaves_the_prefill_tree() -> None:
         for role in (Role.PREFILL, Role.DECODE)
     }
     prefill = Endpoint("http://p:1", Role.PREFILL, 0)
-    routing = Routing(policies, LoadLedger([prefill]), (), None, by_tokens=())
+    routing = Routing(policies, LoadLedger([prefill]), (), None, by_tokens=(), models=None)
     routing.set_endpoints(Role.PREFILL, [prefill])
     with pytest.raises(NoHealthyEndpoint):
         routing.lease_pd(RoutingKey("never sent " * 10))

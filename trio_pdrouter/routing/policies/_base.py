@@ -30,6 +30,11 @@ class RoutingKey:
     prompt, or the engine's ``/tokenize`` answer when ``kv_aware`` asked for it); ``None``
     otherwise. With ``partial_tokens`` they are the ids of the prompt's start only (the rest counted
     in ``prompt_tokens`` by estimate: :mod:`trio_pdrouter.routing.prompt_tokens`).
+    ``model`` is the body's ``model`` (a base model or a LoRA adapter), None when it names none:
+    routing sends the request only to servers that serve it, and prefix state is kept per model.
+    ``adapter``: that model is a LoRA adapter on some server; vLLM hashes an adapter's KV blocks
+    apart from its base model's, so ``kv_aware`` does not look its token ids up in the index of
+    base-model blocks (docs/models.md).
     """
 
     text: str = ""
@@ -38,6 +43,8 @@ class RoutingKey:
     output_tokens: int = 0
     tokens: tuple[int, ...] | None = None
     partial_tokens: bool = False
+    model: str | None = None
+    adapter: bool = False
 
 
 @attrs.frozen(eq=False)

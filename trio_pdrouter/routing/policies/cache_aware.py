@@ -33,6 +33,13 @@ their byte budget like any text that is not used again. :meth:`CacheAware.mainta
 endpoint to ``max_tree_size`` bytes (least recently used first) and :meth:`CacheAware.set_endpoints`
 forgets endpoints that left the stage.
 
+Prefix state is kept per model (:attr:`~._base.RoutingKey.model`): one tree per model named, one
+for requests that name none, so two models' identical prompts never attract each other (an
+adapter's prefix cache is its own in vLLM too). A tree is made at the first request of its
+model; at most :data:`MAX_TREES` are kept, the least recently used dropped beyond that (a client
+naming ever new models cannot grow the router's memory), and each tree holds at most
+``max_tree_size`` bytes per endpoint. With a ``feed`` each insert travels with its model.
+
 Each decision logs one debug line on ``trio_pdrouter.policy``::
 
     stage=decode max_load=9 min_load=2 is_unbalanced=false match_rate=0.812 chosen=http://h:8000@1
@@ -48,6 +55,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -64,14 +72,16 @@ logger = logging.getLogger("trio_pdrouter.policy")
 #: instead of stalling for a whole eviction (measured: at most 2.2 ms a slice, against 77 ms
 #: in one piece; ``python -m benchmarks.radix_tree quick``).
 EVICTION_SLICE = 256
+#: Trees kept at most (one per model; see the module doc).
+MAX_TREES = 64
 
 
 class InsertShare(Protocol):
     """Inserts shared with the other prefix trees of the machine (see the module doc)."""
 
-    def publish(self, key: str, text: str) -> None: ...
+    def publish(self, key: str, text: str, model: str = "") -> None: ...
 
-    def news(self) -> list[tuple[str, str]]: ...
+    def news(self) -> list[tuple[str, str, str]]: ...
 
 
 class CacheAware:
@@ -91,7 +101,8 @@ class CacheAware:
         self._settings = settings
         self._rng = rng
         self._stage = stage
-        self.tree: RadixTree[Endpoint] = RadixTree()
+        #: Model ("" for requests naming none) -> its tree, least recently used first.
+        self._trees: OrderedDict[str, RadixTree[Endpoint]] = OrderedDict()
         self._endpoints: dict[str, Endpoint] = {}
         self._feed = feed
         self._on_decision = on_decision
@@ -106,39 +117,62 @@ class CacheAware:
             settings.balance_token_threshold if tokens else settings.balance_abs_threshold
         )
 
+    @property
+    def tree(self) -> RadixTree[Endpoint]:
+        """The tree of requests that name no model."""
+        return self.tree_of(None)
+
+    def tree_of(self, model: str | None) -> RadixTree[Endpoint]:
+        """The tree of ``model`` (made at its first use; see the module doc)."""
+        name = model or ""
+        trees = self._trees
+        tree = trees.get(name)
+        if tree is None:
+            tree = trees[name] = RadixTree()
+            while len(trees) > MAX_TREES:
+                trees.popitem(last=False)
+        else:
+            trees.move_to_end(name)
+        return tree
+
     def _learn(self) -> None:
         """Apply the other workers' inserts since the last look (``--workers N`` only), so
-        every read of the tree sees them."""
+        every read of a tree sees them."""
         if self._feed is not None:
             endpoints = self._endpoints
-            for ep_key, learnt in self._feed.news():
+            for ep_key, learnt, model in self._feed.news():
                 ep = endpoints.get(ep_key)
                 if ep is not None:
-                    self.tree.insert(learnt, ep)
+                    self.tree_of(model).insert(learnt, ep)
 
     def endpoint(self, key: str) -> Endpoint | None:
         """The current endpoint named ``key`` (:attr:`~trio_pdrouter.endpoints.Endpoint.key`), if
         any."""
         return self._endpoints.get(key)
 
-    def match(self, text: str, eligible: frozenset[Endpoint] | None) -> tuple[int, Endpoint | None]:
-        """The tree's longest match of ``text`` among ``eligible`` (all endpoints if None;
-        ``RadixTree.match``), the other workers' inserts applied first."""
+    def match(
+        self, text: str, eligible: frozenset[Endpoint] | None, model: str | None = None
+    ) -> tuple[int, Endpoint | None]:
+        """The longest match of ``text`` among ``eligible`` (all endpoints if None;
+        ``RadixTree.match``) in ``model``'s tree, the other workers' inserts applied first."""
         self._learn()
-        return self.tree.match(text, eligible)
+        return self.tree_of(model).match(text, eligible)
 
-    def remember(self, text: str, chosen: Endpoint) -> tuple[int, int]:
-        """``text`` went to ``chosen``: into the tree, and to the other workers. Returns the
-        tree's mark of the insert (for a :class:`Lesson`)."""
-        mark = self.tree.insert(text, chosen)
+    def remember(self, text: str, chosen: Endpoint, model: str | None = None) -> tuple[int, int]:
+        """``text`` of ``model`` went to ``chosen``: into its tree, and to the other workers.
+        Returns the tree's mark of the insert (for a :class:`Lesson`)."""
+        mark = self.tree_of(model).insert(text, chosen)
         if self._feed is not None:
-            self._feed.publish(chosen.key, text)
+            self._feed.publish(chosen.key, text, model or "")
         return mark
 
-    def held_chars(self, candidates: Sequence[Endpoint], text: str) -> dict[Endpoint, int]:
-        """How many leading characters of ``text`` each candidate is expected to hold cached."""
+    def held_chars(
+        self, candidates: Sequence[Endpoint], text: str, model: str | None = None
+    ) -> dict[Endpoint, int]:
+        """How many leading characters of ``text`` each candidate is expected to hold cached
+        (in ``model``'s tree)."""
         self._learn()
-        return self.tree.match_each(text, frozenset(candidates))
+        return self.tree_of(model).match_each(text, frozenset(candidates))
 
     def uncached_tokens(
         self, candidates: Sequence[Endpoint], key: RoutingKey
@@ -148,7 +182,8 @@ class CacheAware:
         if not key.text:
             return dict.fromkeys(candidates, key.prompt_tokens)
         self._learn()
-        held, matched_chars, matched = self.tree.match_with_each(key.text, frozenset(candidates))
+        tree = self.tree_of(key.model)
+        held, matched_chars, matched = tree.match_with_each(key.text, frozenset(candidates))
         self._read = (key, candidates, matched_chars, matched)
         chars = len(key.text)
         return {ep: uncached(key.prompt_tokens, held[ep], chars) for ep in candidates}
@@ -176,7 +211,8 @@ class CacheAware:
             if read is not None and read[0] is key and read[1] is candidates:
                 matched_chars, matched = read[2], read[3]  # this step's walk, for the weights
             else:
-                matched_chars, matched = self.tree.match(text, eligible=frozenset(candidates))
+                tree = self.tree_of(key.model)
+                matched_chars, matched = tree.match(text, eligible=frozenset(candidates))
             match_rate = matched_chars / len(text)
         if not text:
             reason = "empty_text"
@@ -193,8 +229,9 @@ class CacheAware:
             chosen = least_loaded(candidates, loads, self._rng)
         self.lesson = None
         if text:
-            mark = self.remember(text, chosen)
-            self.lesson = Lesson(lambda: self._retract(text, chosen, mark))
+            model = key.model
+            mark = self.remember(text, chosen, model)
+            self.lesson = Lesson(lambda: self._retract(text, chosen, mark, model))
         self._on_decision(self._stage, reason)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
@@ -210,21 +247,27 @@ class CacheAware:
             )
         return chosen
 
-    def _retract(self, text: str, endpoint: Endpoint, mark: Inserted) -> None:
-        removed = self.tree.retract(text, endpoint, mark)
+    def _retract(self, text: str, endpoint: Endpoint, mark: Inserted, model: str | None) -> None:
+        tree = self._trees.get(model or "")
+        removed = 0 if tree is None else tree.retract(text, endpoint, mark)
         logger.debug("stage=%s retracted=%d bytes endpoint=%s", self._stage, removed, endpoint.key)
 
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
         current = frozenset(endpoints)
-        # Tenants can also be endpoints the tree saw but this object was never told about.
-        known = frozenset(self._endpoints.values()) | frozenset(self.tree.tenants())
-        for gone in known - current:
-            self.tree.remove_tenant(gone)
+        for tree in self._trees.values():
+            # Tenants can also be endpoints the tree saw but this object was never told about.
+            known = frozenset(self._endpoints.values()) | frozenset(tree.tenants())
+            for gone in known - current:
+                tree.remove_tenant(gone)
         self._endpoints = {ep.key: ep for ep in endpoints}
 
     def maintain(self) -> bool:
         """Evict least-recently-used text so each endpoint keeps at most ``max_tree_size``
-        bytes, one bounded slice per call; True while more remains to evict."""
+        bytes in each tree, one bounded slice per call (the first tree over budget); True
+        while more remains to evict."""
         budget = self._settings.max_tree_size
-        self.tree.evict(budget, max_steps=EVICTION_SLICE)
-        return self.tree.over_budget(budget)
+        over = [tree for tree in self._trees.values() if tree.over_budget(budget)]
+        if not over:
+            return False
+        over[0].evict(budget, max_steps=EVICTION_SLICE)
+        return len(over) > 1 or over[0].over_budget(budget)

@@ -6,7 +6,12 @@ Per decision, over the candidates:
   ``--balance-token-threshold`` with token loads, and ``--balance-rel-threshold``): the
   least-loaded candidate, as ``cache_aware`` does;
 * no token ids for the request (``/tokenize`` failed or was not needed): ``cache_aware``'s
-  decision over its estimated tree;
+  decision over its estimated tree (reason ``no_tokens``); likewise for a request naming a LoRA
+  adapter (reason ``adapter``): vLLM hashes an adapter's blocks with its name
+  (``_gen_lora_extra_hash_keys`` in vllm/v1/core/kv_cache_utils.py, commit
+  001cabc1be16a59a70d720ed61a13b678c060a18), the index keeps none of them
+  (:mod:`trio_pdrouter.kv.wire` skips blocks with a LoRA), and its ids would match the base
+  model's blocks instead;
 * otherwise each candidate's *hit* is the share of the prompt's full blocks it will hold as a
   leading run when this prompt's turn comes (with ids of the prompt's start only,
   ``partial_tokens``: of the blocks its estimated count fills), each block weighted by its
@@ -216,7 +221,7 @@ class KvAware:
         """Tell the chosen engine's forecast the prompt goes there, until its lease slot is
         released (:attr:`on_release`)."""
         view = self._view
-        if view is None or key.tokens is None:
+        if view is None or key.tokens is None or key.adapter:  # an adapter's blocks: not these
             return
         forecast = self._forecast(chosen)
         if forecast is None:
@@ -287,9 +292,9 @@ class KvAware:
         self, candidates: Sequence[Endpoint], loads: Mapping[Endpoint, int], key: RoutingKey
     ) -> Endpoint:
         view = self._view
-        if view is None or key.tokens is None:
+        if view is None or key.tokens is None or key.adapter:
             chosen = self.estimate.choose(candidates, loads, key)
-            self._decided("no_tokens", 0, 0, known=False)
+            self._decided("adapter" if key.adapter else "no_tokens", 0, 0, known=False)
             return chosen
         s = self._settings
         values = [loads.get(c, 0) for c in candidates]
@@ -318,7 +323,7 @@ class KvAware:
             shares.append(hit)
         if not ahead and key.text and not any(blocks for blocks, _known in seen):
             if homes is None or any(c not in homes for c in candidates):
-                homes = self._homes(candidates, key.text)
+                homes = self._homes(candidates, key.text, key.model)
             shares = [homes[c] for c in candidates]
         # Load breaks ties only: its term stays below TIE_BREAK of one block's share.
         tie = TIE_BREAK / (total + 1) / max(max_load - min_load, 1)
@@ -346,7 +351,7 @@ class KvAware:
         """The prompt tokens each candidate would compute: those past the blocks its hit
         credits, and the estimate's count when the request has no token ids."""
         view = self._view
-        if view is None or key.tokens is None:
+        if view is None or key.tokens is None or key.adapter:
             return self.estimate.uncached_tokens(candidates, key)
         self._learn_routes()
         keys = block_keys(key.tokens, view.block_size)
@@ -356,7 +361,7 @@ class KvAware:
         shares = {candidate: hit for candidate, (hit, _blocks, _known) in hits.items()}
         homes = None
         if not ahead and key.text and not any(blocks for _hit, blocks, _known in hits.values()):
-            homes = shares = self._homes(candidates, key.text)
+            homes = shares = self._homes(candidates, key.text, key.model)
         self._read = (key, keys, hits, homes, ahead)
         cached_per_hit = total * view.block_size
         return {
@@ -402,7 +407,7 @@ class KvAware:
         # may be missing blocks, so the estimate may say more.
         share = 0.0
         if key.text:
-            chars, _owner = self.estimate.match(key.text, frozenset((candidate,)))
+            chars, _owner = self.estimate.match(key.text, frozenset((candidate,)), key.model)
             share = chars / len(key.text)
         if share > lower:
             return share, round(share * total), False
@@ -421,12 +426,14 @@ class KvAware:
         tree's longest match, any endpoint): the start it shares with earlier prompts."""
         return self.estimate.match(text, None)[0]
 
-    def _homes(self, candidates: Sequence[Endpoint], text: str) -> dict[Endpoint, float]:
+    def _homes(
+        self, candidates: Sequence[Endpoint], text: str, model: str | None
+    ) -> dict[Endpoint, float]:
         """On a miss everywhere: the share of the text the estimated tree last sent to one
         candidate (its *home*; 0 for the others, and for all when the share is not above
         ``--cache-threshold``), so a prefix whose blocks were evicted is stored again where its
         group lives and the engines keep holding different groups."""
-        chars, home = self.estimate.match(text, frozenset(candidates))
+        chars, home = self.estimate.match(text, frozenset(candidates), model)
         share = chars / len(text)
         if home is None or share <= self._settings.cache_threshold:
             share = 0.0
@@ -444,7 +451,7 @@ class KvAware:
 
     def _remember(self, key: RoutingKey, chosen: Endpoint) -> None:
         if key.text:
-            self.estimate.remember(key.text, chosen)
+            self.estimate.remember(key.text, chosen, key.model)
 
     def _decided(self, reason: str, blocks: int, total: int, *, known: bool) -> None:
         self.last = KvDecision(blocks, total, known, reason)

@@ -131,13 +131,16 @@ def routing_key(body: Mapping[str, object], headers: Mapping[str, str]) -> Routi
     """The :class:`RoutingKey` of a parsed request body and its headers (see the module doc).
 
     >>> routing_key({"prompt": "hi", "user": "u1"}, {"X-Session-ID": "s9"})
-    RoutingKey(text='hi', hash_key='s9', prompt_tokens=1, output_tokens=256, tokens=None)
+    RoutingKey(text='hi', hash_key='s9', prompt_tokens=1, output_tokens=256, tokens=None,
+    partial_tokens=False, model=None, adapter=False)
     """
     text = routing_text(body)
+    model = body.get("model")
     return RoutingKey(
         text=text,
         hash_key=_hash_key(body, headers),
         prompt_tokens=prompt_tokens(text),
         output_tokens=output_tokens(body),
         tokens=prompt_token_ids(body),
+        model=model if isinstance(model, str) else None,
     )
