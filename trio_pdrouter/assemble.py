@@ -45,6 +45,7 @@ from .serve import (
     Proxy,
     TokenBucket,
 )
+from .tenants import MachineTenantLedger, Tenancy, TenantLedger, TenantsFile
 
 log = logging.getLogger("trio_pdrouter.server")
 
@@ -163,6 +164,17 @@ def build_app(
             fleet.add_at_start(url, role, serving=not starting)
     startup = StartupStatus(on_healthy=health.confirm)
     fleet.catch_up()  # and then the runtime changes made before it started
+    tenants_file = None
+    if config.admission.tenants_file is not None:
+        tenants_file = TenantsFile(config.admission.tenants_file)
+    tenant_ledger = (
+        MachineTenantLedger(ledger.table, ledger.row)
+        if isinstance(ledger, MachineLedger)
+        else TenantLedger()
+    )
+    if tenants_file is not None:
+        tenant_ledger.know(tenants_file.book.names())
+        background.start_soon(tenants_file.watch, lambda book: tenant_ledger.know(book.names()))
     if isinstance(ledger, MachineLedger):
         machine_table = ledger.table
         machine_table.keep_only(ledger.row)  # what a dead predecessor held and nobody uses now
@@ -175,7 +187,7 @@ def build_app(
     bucket = None
     if rate is not None:
         bucket = TokenBucket(config.admission.max_concurrent_requests, rate, trio.current_time())
-    admission = Admission(config.admission, bucket)
+    admission = Admission(config.admission, bucket, tenant_ledger)
     metrics.watch_admission(lambda: admission.queued)
     budget = BufferBudget(config.max_total_buffered_bytes)
     metrics.watch_buffers(lambda: budget.total)
@@ -288,4 +300,5 @@ def build_app(
         inference=inference,
         admin=admin,
         startup=startup,
+        tenancy=Tenancy(config.api_key, tenants_file, config.admission.tenant_header),
     )

@@ -139,11 +139,11 @@ class Proxy:
             # Admission waits inside the request's scope: a client that leaves while queued
             # gives its place up at once.
             try:
-                async with self._admission.slot(req.inf.priority):
+                inf = req.inf
+                async with self._admission.slot(inf.priority, inf.tenant, inf.cost):
                     req.admitted()
                     if req.trace is not None:
-                        waited = (trio.current_time() - req.started) * 1000
-                        req.trace.note("trio_pdrouter.queue_wait_ms", waited)
+                        req.trace.note("trio_pdrouter.queue_wait_ms", req.queue_ms or 0.0)
                     reply = await self._attempts(req)
             except Rejected as exc:
                 req.rejected(exc.reason)
