@@ -51,7 +51,11 @@ class TenantsFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._seen = _identity(path)
+        try:
+            # Before reading: a change made while it is read is seen at the next check.
+            self._seen = _identity(path)
+        except OSError:
+            self._seen = (-1, -1, -1)
         self.book = load(path)
         #: Reloads that took a new book, and those refused.
         self.reloads = 0
