@@ -168,9 +168,9 @@ def build_app(
     if config.admission.tenants_file is not None:
         tenants_file = TenantsFile(config.admission.tenants_file)
     tenant_ledger = (
-        MachineTenantLedger(ledger.table, ledger.row)
+        MachineTenantLedger(ledger.table, ledger.row, peers)
         if isinstance(ledger, MachineLedger)
-        else TenantLedger()
+        else TenantLedger(peers=peers)
     )
     if tenants_file is not None:
         tenant_ledger.know(tenants_file.book.names())
@@ -301,4 +301,5 @@ def build_app(
         admin=admin,
         startup=startup,
         tenancy=Tenancy(config.api_key, tenants_file, config.admission.tenant_header),
+        tenants=tenant_ledger,
     )

@@ -27,7 +27,7 @@ from ..ledger import LoadLedger, PeerLoads
 from ..observe import RouterMetrics
 from ..routing import Routing
 from ..serve import ContextCheck, Proxy
-from ..tenants import Tenancy
+from ..tenants import Tenancy, TenantLedger
 from .admin import WORKER_PREFIX, AdminRoutes, Handler
 from .inference import TENANT, InferenceRoutes
 from .request_body import CLOSE, send_reply
@@ -69,11 +69,14 @@ class RouterApp:
         admin: AdminRoutes,
         startup: StartupStatus,
         tenancy: Tenancy | None = None,
+        tenants: TenantLedger | None = None,
     ) -> None:
         self._config = config
         #: Who each request is for, and whether its key lets it in (``--api-key``, the tenants
         #: file's keys, ``--tenant-header``).
         self._tenancy = tenancy if tenancy is not None else Tenancy(config.api_key, None)
+        #: Each tenant's numbers, as admission keeps them (published to the peer replicas).
+        self.tenants = tenants if tenants is not None else TenantLedger()
         self._cors = Cors(config.cors_allowed_origins)
         self.fleet = fleet
         self.routing = routing

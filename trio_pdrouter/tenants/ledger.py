@@ -29,6 +29,12 @@ Rules of this module (synchronous: nothing here awaits):
   requests no longer count, its share of ``served`` is forgotten (the tenants it served are
   favoured a little), and if it held the furthest pace the tenant's pace falls back to the next
   row's (a little more burst).
+* With ``--cluster-url``, ``peers`` (:class:`~trio_pdrouter.ledger.PeerLoads`) holds the other
+  replicas' published numbers: ``in_flight``, ``queued`` and ``served`` read as this replica's
+  own plus the peers' latest (at most one sync interval old), so the concurrency limit and the
+  shares hold across replicas within one interval. Each replica publishes only its own
+  (:meth:`TenantLedger.snapshot`) and changes only its own. The pace is not shared: each replica
+  keeps its own, so a tenant's ``tokens_per_second`` holds per replica.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from contextlib import AbstractContextManager
 
 import trio
 
+from ..ledger import PeerLoads
 from ..machine import COUNT, PENDING, TOKENS, VERDICT, MachineTable
 
 #: The burst a tenant's pace allows: this many seconds of its tokens.
@@ -63,8 +70,11 @@ def _retry_after(ahead: float) -> int:
 class TenantLedger:
     """Every tenant's numbers in this process (see the module doc). ``clock``: seconds."""
 
-    def __init__(self, clock: Callable[[], float] = trio.current_time) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = trio.current_time, peers: PeerLoads | None = None
+    ) -> None:
         self._clock = clock
+        self._peers = peers
         self._in_flight: dict[str, int] = {}
         self._queued: dict[str, int] = {}
         self._served: dict[str, int] = {}
@@ -76,19 +86,35 @@ class TenantLedger:
     def know(self, names: Iterable[str]) -> None:
         """The tenants of the file (a worker holds their slots: see the subclass)."""
 
+    # -- what admission reads: this process's (or machine's) own numbers plus the peers' ----
+
     def in_flight(self, name: str) -> int:
-        return self._in_flight.get(name, 0)
+        return self.own(name, IN_FLIGHT) + self._peer(name, "in_flight")
 
     def queued(self, name: str) -> int:
-        return self._queued.get(name, 0)
+        return self.own(name, QUEUED) + self._peer(name, "queued")
 
     def served(self, name: str) -> int:
-        return self._served.get(name, 0)
+        return self.own(name, SERVED) + self._peer(name, "served")
+
+    def _peer(self, name: str, field: str) -> int:
+        return 0 if self._peers is None else self._peers.tenant(name, field)
 
     def busy(self) -> list[str]:
-        """The tenants with something in flight or queued."""
-        names = set(self._in_flight) | set(self._queued)
+        """The tenants with something in flight or queued (here or at a peer)."""
+        names = self._names() | (set() if self._peers is None else self._peers.tenant_names())
         return [n for n in names if self.in_flight(n) or self.queued(n)]
+
+    # -- this process's (or machine's) own numbers ------------------------------------------
+
+    def own(self, name: str, column: int) -> int:
+        """One of the tenant's numbers (:data:`IN_FLIGHT`, :data:`QUEUED`, :data:`SERVED`)
+        without the peers'."""
+        table = {IN_FLIGHT: self._in_flight, QUEUED: self._queued, SERVED: self._served}[column]
+        return table.get(name, 0)
+
+    def _names(self) -> set[str]:
+        return set(self._in_flight) | set(self._queued) | set(self._served)
 
     def change(self, name: str, in_flight: int = 0, queued: int = 0, served: int = 0) -> None:
         """Add this process's deltas."""
@@ -127,11 +153,15 @@ class TenantLedger:
             self._pace[name] -= cost / rate
 
     def snapshot(self) -> dict[str, dict[str, int]]:
-        """``{tenant: {"in_flight", "queued", "served"}}`` for every tenant seen."""
-        names = set(self._in_flight) | set(self._queued) | set(self._served)
+        """``{tenant: {"in_flight", "queued", "served"}}``, this replica's own numbers (what it
+        publishes to its peers), for every tenant it knows."""
         return {
-            n: {"in_flight": self.in_flight(n), "queued": self.queued(n), "served": self.served(n)}
-            for n in sorted(names)
+            n: {
+                "in_flight": self.own(n, IN_FLIGHT),
+                "queued": self.own(n, QUEUED),
+                "served": self.own(n, SERVED),
+            }
+            for n in sorted(self._names())
         }
 
 
@@ -143,8 +173,8 @@ def tenant_key(name: str) -> str:
 class MachineTenantLedger(TenantLedger):
     """The tenants' numbers in row ``row`` of ``table``, read machine-wide (module doc)."""
 
-    def __init__(self, table: MachineTable, row: int) -> None:
-        super().__init__(time.monotonic)
+    def __init__(self, table: MachineTable, row: int, peers: PeerLoads | None = None) -> None:
+        super().__init__(time.monotonic, peers)
         self._table = table
         self._row = row
         self._slots: dict[str, int] = {}
@@ -162,17 +192,11 @@ class MachineTenantLedger(TenantLedger):
             slot = self._slots[name] = self._table.hold(self._row, tenant_key(name))
         return slot
 
-    def in_flight(self, name: str) -> int:
-        return self._table.total(self._slot(name), IN_FLIGHT)
+    def own(self, name: str, column: int) -> int:
+        return self._table.total(self._slot(name), column)
 
-    def queued(self, name: str) -> int:
-        return self._table.total(self._slot(name), QUEUED)
-
-    def served(self, name: str) -> int:
-        return self._table.total(self._slot(name), SERVED)
-
-    def busy(self) -> list[str]:
-        return [n for n in self._slots if self.in_flight(n) or self.queued(n)]
+    def _names(self) -> set[str]:
+        return set(self._slots)
 
     def change(self, name: str, in_flight: int = 0, queued: int = 0, served: int = 0) -> None:
         slot, table, row = self._slot(name), self._table, self._row
@@ -201,8 +225,3 @@ class MachineTenantLedger(TenantLedger):
             own = self._table.cell(self._row, slot, PACE)
             self._table.put(self._row, slot, PACE, max(0, own - cost * 1_000_000 // rate))
 
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        return {
-            n: {"in_flight": self.in_flight(n), "queued": self.queued(n), "served": self.served(n)}
-            for n in sorted(self._slots)
-        }
