@@ -39,7 +39,6 @@ arrive = st.tuples(
 finish = st.tuples(st.just("finish"), st.integers(0, 20))
 cancel = st.tuples(st.just("cancel"), st.integers(0, 20))
 wait = st.tuples(st.just("wait"), st.sampled_from([0.5, 1.0, 3.0, 6.0]))
-kill = st.tuples(st.just("kill"), st.integers(0, WORKERS - 1))
 OPS = st.lists(
     st.one_of(arrive, arrive, arrive, arrive, finish, cancel, wait), min_size=8, max_size=40
 )
