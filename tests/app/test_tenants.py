@@ -54,6 +54,8 @@ async def test_a_tenants_key_lets_it_in_and_any_other_key_is_refused(
     good = await call(app, "POST", "/v1/completions", ASK, headers=bearer("sk-bob"))
     assert good.status == 200
     assert all("authorization" not in r.headers for r in upstream.requests)
+    # Counted 3 + 8 tokens at admission; the answer's usage says 5: bob is charged 5.
+    assert app.tenants.served("bob") == 5 * 1000
     assert (await call(app, "GET", "/health")).status == 200  # open routes stay open
 
 

@@ -303,3 +303,22 @@ def test_a_ledger_refuses_to_go_negative() -> None:
     ledger.change("a", in_flight=1)
     with pytest.raises(AssertionError):
         ledger.change("a", in_flight=-2)
+
+
+async def test_what_a_request_used_corrects_its_tenants_counter_and_pace(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    paced = Tenant("paced", weight=2, tokens_per_second=100)
+    adm = admission(limit=10)
+    async with adm.slot(0, paced, 300):  # counted 300: the pace is 3 s ahead
+        pass
+    assert adm.tenants.served("paced") == 300 * 1000 // 2
+    adm.settle(paced, 300, 60)  # it used 60
+    assert adm.tenants.served("paced") == 60 * 1000 // 2
+    async with adm.slot(0, paced, 1):  # 0.6 s ahead now: within the burst
+        pass
+    adm.settle(paced, 1, 400)  # used far more than counted: the pace moves on by it
+    with pytest.raises(Rejected) as refused:
+        async with adm.slot(0, paced, 1):
+            pass
+    assert refused.value.reason == TENANT_TOKENS

@@ -36,7 +36,8 @@ line, ordered as above; between tenants, a slot that frees goes to the waiting t
 smallest virtual counter — the tokens admitted for it divided by its weight — so capacity is
 shared by weight in tokens, not in requests: priority orders a tenant's own requests, fairness
 chooses between tenants. A request's tokens are its prompt's estimate plus its output cap
-(:mod:`trio_pdrouter.ledger.cost`), counted when it is admitted. Before it may wait, a request
+(:mod:`trio_pdrouter.ledger.cost`), counted when it is admitted, and corrected to what it used
+when its answer reports ``usage`` (:meth:`Admission.settle`). Before it may wait, a request
 passes its tenant's limits, each refused at once with 429 and ``Retry-After``:
 ``max_concurrent_requests`` counts the tenant's requests in flight and queued (so those that
 wait always fit when admitted), ``tokens_per_second`` its token pace. When the queue is full, a
@@ -219,6 +220,19 @@ class Admission:
         if not waiter.granted:
             self._leave(waiter)
             raise self._refuse(QUEUE_TIMEOUT, errors.queue_timeout(s.queue_timeout_secs))
+
+    def settle(self, tenant: Tenant, counted: int, used: int) -> None:
+        """A request admitted with ``counted`` tokens used ``used`` (its answer's ``usage``):
+        its tenant's virtual counter and pace are corrected by the difference. Never awaits."""
+        if used == counted:
+            return
+        name = tenant.name
+        with self.tenants.locked():
+            self.tenants.change(
+                name, served=share(used, tenant.weight) - share(counted, tenant.weight)
+            )
+            if tenant.tokens_per_second is not None:
+                self.tenants.refund(name, counted - used, tenant.tokens_per_second)
 
     def _give_back(self, tenant: Tenant, cost: int) -> None:
         """What the tenant's pace took for a request that will not be served."""

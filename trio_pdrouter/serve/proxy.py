@@ -127,6 +127,10 @@ class Proxy:
         finally:
             self.in_flight.discard(req)
         record = req.record()
+        if record.rejection is None and record.prompt_tokens is not None:
+            # The answer said what the request really used: its tenant is charged that.
+            used = record.prompt_tokens + (record.completion_tokens or 0)
+            self._admission.settle(req.inf.tenant, req.inf.cost, used)
         if trace is not None:
             req.end_trace(record)
         return record

@@ -148,7 +148,8 @@ class TenantLedger:
         return None
 
     def refund(self, name: str, cost: int, rate: int) -> None:
-        """Give back what :meth:`pace` took for a request that was not served."""
+        """Give back what :meth:`pace` took for a request that was not served (or, ``cost``
+        negative, take what a request used beyond what it was counted)."""
         if name in self._pace:
             self._pace[name] -= cost / rate
 
@@ -224,4 +225,3 @@ class MachineTenantLedger(TenantLedger):
         with self.locked():
             own = self._table.cell(self._row, slot, PACE)
             self._table.put(self._row, slot, PACE, max(0, own - cost * 1_000_000 // rate))
-
