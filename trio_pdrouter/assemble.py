@@ -31,7 +31,7 @@ from .fleet import (
 from .http import LegClient, stream_timeout
 from .kv import KvCollector, kv_events_for
 from .ledger import LoadLedger, MachineLedger, PeerLoads, exchange_timeout
-from .machine import PrefixRing, RouteRing
+from .machine import PrefixRing, RouteRing, TableFull
 from .observe import RouterMetrics, tracing_for
 from .routing import KvAware, LocalTokenizer, PromptTokens, Routing, make_policy
 from .serve import (
@@ -45,11 +45,20 @@ from .serve import (
     Proxy,
     TokenBucket,
 )
-from .tenants import MachineTenantLedger, Tenancy, TenantLedger, TenantsFile
+from .tenants import MachineTenantLedger, Tenancy, TenantBook, TenantLedger, TenantsFile
 
 log = logging.getLogger("trio_pdrouter.server")
 
 __all__ = ["build_app"]
+
+
+def know_tenants(ledger: TenantLedger, book: TenantBook) -> None:
+    """A reloaded book's tenants get their slots; a machine table out of room says so and the
+    new tenants are counted where they are first admitted."""
+    try:
+        ledger.know(book.names())
+    except TableFull as exc:
+        log.warning("tenants file reloaded but not every tenant has a slot: %s", exc)
 
 
 def build_app(
@@ -174,7 +183,7 @@ def build_app(
     )
     if tenants_file is not None:
         tenant_ledger.know(tenants_file.book.names())
-        background.start_soon(tenants_file.watch, lambda book: tenant_ledger.know(book.names()))
+        background.start_soon(tenants_file.watch, lambda book: know_tenants(tenant_ledger, book))
     if isinstance(ledger, MachineLedger):
         machine_table = ledger.table
         machine_table.keep_only(ledger.row)  # what a dead predecessor held and nobody uses now

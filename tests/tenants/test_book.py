@@ -140,3 +140,12 @@ def test_a_bad_file_at_start_exits_2_with_one_line(
     path.write_text(GOOD)
     config = parse_config([*base, "--tenants-file", str(path), "--tenant-header", "x-tenant"])
     assert config.admission.tenants_file == str(path)
+
+
+def test_a_file_names_at_most_max_tenants() -> None:
+    from trio_pdrouter.tenants import MAX_TENANTS
+
+    many = "".join(f"[tenants.t{i}]\n" for i in range(MAX_TENANTS + 1))
+    with pytest.raises(TenantsFileError, match=f"at most {MAX_TENANTS}"):
+        parse_book(many)
+    assert len(parse_book("".join(f"[tenants.t{i}]\n" for i in range(MAX_TENANTS))).tenants) > 1

@@ -13,7 +13,15 @@ config and the machine table.
 
 from __future__ import annotations
 
-from .book import DEFAULT, DEFAULT_TENANT, Tenant, TenantBook, TenantsFileError, parse_book
+from .book import (
+    DEFAULT,
+    DEFAULT_TENANT,
+    MAX_TENANTS,
+    Tenant,
+    TenantBook,
+    TenantsFileError,
+    parse_book,
+)
 from .ledger import BURST_SECONDS, MachineTenantLedger, TenantLedger, share, tenant_key
 from .source import CHECK_INTERVAL, TenantsFile, load
 from .tenancy import Tenancy
@@ -23,6 +31,7 @@ __all__ = [
     "CHECK_INTERVAL",
     "DEFAULT",
     "DEFAULT_TENANT",
+    "MAX_TENANTS",
     "MachineTenantLedger",
     "Tenancy",
     "Tenant",

@@ -30,6 +30,8 @@ import attrs
 DEFAULT = "default"
 #: What a tenant's name may be: it is a metric label value and a log field.
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+#: The most tenants a file may name (each takes a slot of the machine table with --workers N).
+MAX_TENANTS = 1000
 _FIELDS = frozenset({"keys", "weight", "max_concurrent_requests", "tokens_per_second"})
 
 
@@ -92,6 +94,8 @@ def parse_book(text: str, where: str = "the tenants file") -> TenantBook:
     tables = data.get("tenants", {})
     if not isinstance(tables, dict):
         raise TenantsFileError(f"{where}: 'tenants' must be a table of [tenants.NAME] tables")
+    if len(tables) > MAX_TENANTS:
+        raise TenantsFileError(f"{where}: {len(tables)} tenants, at most {MAX_TENANTS}")
     tenants = {DEFAULT: DEFAULT_TENANT}
     keys: dict[bytes, str] = {}
     for name, table in tables.items():
