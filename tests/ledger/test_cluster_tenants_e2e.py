@@ -61,11 +61,11 @@ async def test_a_tenants_limit_holds_across_replicas(
                 "POST", r1.url + "/v1/completions", json=body, headers=headers
             ) as resp:
                 assert resp.status_code == 200
-                async for _ in resp.aiter_raw():
-                    started += 1
-                    if started == 2:
-                        both.set()
-                    break
+                chunks = resp.aiter_raw()  # kept: a collected iterator would close the stream
+                await chunks.__anext__()
+                started += 1
+                if started == 2:
+                    both.set()
                 await release.wait()
 
         async def ask(url: str, key: str) -> httpx.Response:

@@ -68,15 +68,15 @@ class RouterApp:
         inference: InferenceRoutes,
         admin: AdminRoutes,
         startup: StartupStatus,
-        tenancy: Tenancy | None = None,
-        tenants: TenantLedger | None = None,
+        tenancy: Tenancy,
+        tenants: TenantLedger,
     ) -> None:
         self._config = config
         #: Who each request is for, and whether its key lets it in (``--api-key``, the tenants
         #: file's keys, ``--tenant-header``).
-        self._tenancy = tenancy if tenancy is not None else Tenancy(config.api_key, None)
+        self._tenancy = tenancy
         #: Each tenant's numbers, as admission keeps them (published to the peer replicas).
-        self.tenants = tenants if tenants is not None else TenantLedger()
+        self.tenants = tenants
         self._cors = Cors(config.cors_allowed_origins)
         self.fleet = fleet
         self.routing = routing

@@ -228,7 +228,7 @@ class AdmissionSettings:
             "a TOML file of tenants: each one's API keys (they authenticate, like --api-key),"
             " weight (its share of saturated capacity, in tokens), max_concurrent_requests and"
             " tokens_per_second; reloaded when it changes",
-            metavar="PATH",
+            metavar="TENANTS_FILE",
         ),
     )
     tenant_header: str | None = setting(
@@ -238,7 +238,7 @@ class AdmissionSettings:
             Group.ADMISSION,
             "take a request's tenant from this header, set by a trusted gateway in front (a"
             " name of --tenants-file; any other value: the default tenant)",
-            metavar="NAME",
+            metavar="HEADER",
         ),
         check=must(lambda v: v.strip() != "", "must name a header"),
     )
