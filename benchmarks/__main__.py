@@ -4,7 +4,8 @@ Scenarios run in order of importance: routing (4), paced (2, token-paced relay c
 the floor), overhead (1), relay (2b, coalesced), memory (3), radix_tree (5), cluster (6),
 workers (7), caps (memory caps), mixed (8, token-weighted load), kv_ownership (10, second pulls
 and stranded prefill KV when clients leave), tracing (11, router CPU per request with
-``--otlp-traces-endpoint`` against without). Each writes
+``--otlp-traces-endpoint`` against without), admission (12, priority and fair share between
+tenants under overload). Each writes
 ``benchmarks/results/<date>-<scenario>.json``; then ``benchmarks/report.md`` is rebuilt from
 the newest result of every scenario. Process logs (routers, simulators, load generators) go to
 a fresh temporary directory, printed at the start.
@@ -26,6 +27,7 @@ from typing import Any
 import orjson
 
 from . import (
+    admission,
     caps,
     cluster,
     kv_aware,
@@ -67,6 +69,7 @@ SCENARIOS: dict[str, tuple[Callable[[Context], dict[str, Any]], Callable[[str], 
     "mixed": (mixed.run, mixed.estimate),
     "kv_ownership": (kv_ownership.run, kv_ownership.estimate),
     "tracing": (tracing.run, tracing.estimate),
+    "admission": (admission.run, admission.estimate),
 }
 
 

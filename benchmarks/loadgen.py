@@ -16,12 +16,18 @@ arrived in the window, finished or not (time to first token when streams outlast
 window); ``ok`` / ``failed`` / ``errors`` (by kind) over the window; ``events`` SSE events
 received in the window; ``window_s`` the window's real length, ``window_start_s`` when it
 opened (seconds after the start); ``open_streams_peak`` the most requests in flight at once.
+With ``--log-requests``, ``requests`` lists every request that ended, measured or not, as
+``[priority, started, first byte, ended, status]`` in seconds of the system's monotonic clock
+(``time.monotonic``, the same in every process; first byte None if none came), so a parent can
+line up several generators; ``--priority P --priority-share F`` gives a share F of the requests
+vLLM's ``priority`` P.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,6 +63,8 @@ class Workload:
             for g in range(args.long_groups)
         ]
         self.counter = 0
+        self.priority_share: float = args.priority_share
+        self.priority_level: int = args.priority
 
     def prompt(self) -> str:
         self.counter += 1
@@ -73,6 +81,12 @@ class Workload:
 
     def tokens(self) -> int:
         return self.rng.randint(self.min_tokens, self.max_tokens)
+
+    def priority(self) -> int:
+        """vLLM's ``priority`` for the next request (0: the field is left out)."""
+        if self.priority_share and self.rng.random() < self.priority_share:
+            return self.priority_level
+        return 0
 
 
 def prompt_text(rng: random.Random, chars: int, head: str) -> str:
@@ -102,6 +116,8 @@ class Results:
         #: when every client's stream has started (or when the warm-up runs out).
         self.streaming = 0
         self.all_streaming = trio.Event()
+        #: With --log-requests: [priority, started, first byte, ended, status] per request.
+        self.requests: list[list[float | int | None]] | None = None
 
     def as_json(self, window_s: float, window_start_s: float) -> dict[str, Any]:
         return {
@@ -115,6 +131,7 @@ class Results:
             "window_s": window_s,
             "window_start_s": window_start_s,
             "open_streams_peak": self.open_streams_peak,
+            **({} if self.requests is None else {"requests": self.requests}),
         }
 
 
@@ -129,16 +146,19 @@ async def client_loop(
 ) -> None:
     """One closed-loop client: a request, then the next, until cancelled."""
     while True:
-        body = orjson.dumps(
-            {
-                "model": "sim-model",
-                "prompt": workload.prompt(),
-                "max_tokens": workload.tokens(),
-                "stream": stream,
-                "ignore_eos": True,
-            }
-        )
+        ask: dict[str, Any] = {
+            "model": "sim-model",
+            "prompt": workload.prompt(),
+            "max_tokens": workload.tokens(),
+            "stream": stream,
+            "ignore_eos": True,
+        }
+        priority = workload.priority()
+        if priority:
+            ask["priority"] = priority
+        body = orjson.dumps(ask)
         started = trio.current_time()
+        wall_started = time.monotonic()
         first: float | None = None
         status = 0
         results.in_flight += 1
@@ -166,6 +186,9 @@ async def client_loop(
             error = type(exc).__name__
         finally:
             results.in_flight -= 1
+        if results.requests is not None:
+            first_at = None if first is None else wall_started + first
+            results.requests.append([priority, wall_started, first_at, time.monotonic(), status])
         if results.measuring:
             if error is None and first is not None:
                 results.ok += 1
@@ -182,6 +205,8 @@ async def client_loop(
 async def main_async(args: argparse.Namespace) -> None:
     results = Results()
     results.clients = args.concurrency
+    if args.log_requests:
+        results.requests = []
     headers = {"content-type": "application/json"}
     if args.api_key:
         headers["authorization"] = f"Bearer {args.api_key}"
@@ -246,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout")
     p.add_argument("--ramp", type=float, default=0.0, help="pause after every 50 clients")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--priority", type=int, default=0, help="vLLM priority of some requests")
+    p.add_argument("--priority-share", type=float, default=0.0, help="share given --priority")
+    p.add_argument("--log-requests", action="store_true", help="every request's times")
     return p
 
 

@@ -323,6 +323,9 @@ class LoadRun:
                 merged["errors"][kind] = merged["errors"].get(kind, 0) + n
             merged["window_s"] = max(merged["window_s"], part["window_s"])
             merged["window_start_s"] = max(merged["window_start_s"], part["window_start_s"])
+            if "requests" in part:
+                merged.setdefault("requests", []).extend(part["requests"])
+        merged["window"] = [self.mark_times.get("window-start"), self.mark_times.get("window-end")]
         if "window-start" in self.cpu_marks and "window-end" in self.cpu_marks:
             merged["router_cpu_s"] = self.cpu_marks["window-end"] - self.cpu_marks["window-start"]
         return merged

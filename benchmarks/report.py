@@ -36,6 +36,7 @@ SCENARIOS = (
     "kv_aware",
     "kv_ownership",
     "tracing",
+    "admission",
 )
 
 
@@ -744,6 +745,45 @@ def _kv_ownership(data: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def _admission(data: dict[str, Any]) -> list[str]:
+    """Scenario 12: priority and tenants' shares under overload (benchmarks/admission.py)."""
+    pr = data["priority"]
+    out = [
+        "## 12. Admission under overload: priority and tenants",
+        "",
+        f"{data['slots']} slots (`--max-concurrent-requests`, summed over workers or replicas)"
+        " for every client below, token-paced 25-token streams.",
+        "",
+        "| priority (48 clients, an eighth at -10) | done | TTFB p99 ms |",
+        "|---|---:|---:|",
+        f"| priority -10 | {pr['urgent_done']} | {_f(pr['urgent_ttfb_p99_ms'], 0)} |",
+        f"| the rest | {pr['rest_done']} | {_f(pr['rest_ttfb_p99_ms'], 0)} |",
+        "",
+        f"TTFB p99 of priority -10 over the rest's: **{_f(pr['ratio'], 2)}** (goal ≤ 0.3);"
+        f" failed {pr['failed']}.",
+        "",
+        f"Two tenants of equal weight, heavy with {data['heavy_clients']} clients, light with"
+        f" {data['light_clients']}:",
+        "",
+        "| setup | light's share of completions | share error | light TTFB p99 ms |"
+        " heavy TTFB p99 ms | light / heavy p99 | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, row in data["tenants"].items():
+        out.append(
+            f"| {label} | {_f(row['light_share'], 3)} | {_f(row['share_error'], 3)} |"
+            f" {_f(row['light_ttfb_p99_ms'], 0)} | {_f(row['heavy_ttfb_p99_ms'], 0)} |"
+            f" {_f(row['ttfb_ratio'], 2)} | {row['failed']} |"
+        )
+    out += [
+        "",
+        "Goals: light's share ≥ 0.4 and its TTFB p99 ≤ 0.35 x heavy's; one FIFO gives it its"
+        " head count's share (4/44 ≈ 0.09). Share error: |share - 0.5|.",
+        "",
+    ]
+    return out
+
+
 def write_report(command: str) -> Path:
     """Regenerate ``report.md`` and the charts from the newest results of each scenario."""
     parts: list[str] = [
@@ -787,6 +827,8 @@ def write_report(command: str) -> Path:
             parts += _kv_aware(data)
         elif scenario == "kv_ownership":
             parts += _kv_ownership(data)
+        elif scenario == "admission":
+            parts += _admission(data)
         else:
             parts += _radix(data)
     parts += ["Sources: " + ", ".join(sources), ""]

@@ -207,6 +207,14 @@ def test_no_flag_was_lost_and_every_vllm_router_flag_is_declared() -> None:
 
 REGULAR = ["--worker-urls", "http://w:1"]
 PD = ["--vllm-pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://d:2"]
+
+
+def _tenants_file() -> Path:
+    path = Path(tempfile.mkdtemp()) / "tenants.toml"
+    path.write_text('[tenants.sample]\nkeys = ["sk-sample"]\n')
+    return path
+
+
 #: Values for flags whose value is a name, by metavar: a URL, a header, a bootstrap port.
 SAMPLES = {
     "URL": "http://sample:9",
@@ -219,6 +227,8 @@ SAMPLES = {
     "REDIS_URL": "redis://sample:6379/0",
     "ID": "replica-sample",
     "CIDR": "10.0.0.0/8",
+    # a real tenants file: the flag loads it
+    "TENANTS_FILE": str(_tenants_file()),
     # a real model directory: the flag loads it
     "TOKENIZER_PATH": str(write_model_dir(Path(tempfile.mkdtemp()) / "m", ["a b"], vocab_size=260)),
 }
@@ -259,7 +269,9 @@ def test_every_flag_sets_its_field(
 ) -> None:
     argv = sample(option, field.default)
     # the flag may need PD mode, or may not go with it, or need upstreams given as addresses
-    for base in (REGULAR, PD, ["--worker-urls", "http://10.0.0.1:1"]):
+    # (and --tenant-header names tenants of a tenants file)
+    with_tenants = [*REGULAR, "--tenants-file", SAMPLES["TENANTS_FILE"]]
+    for base in (REGULAR, PD, ["--worker-urls", "http://10.0.0.1:1"], with_tenants):
         try:
             config = parse_config([*base, *argv])
             break

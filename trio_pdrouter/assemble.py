@@ -31,7 +31,7 @@ from .fleet import (
 from .http import LegClient, stream_timeout
 from .kv import KvCollector, kv_events_for
 from .ledger import LoadLedger, MachineLedger, PeerLoads, exchange_timeout
-from .machine import PrefixRing, RouteRing
+from .machine import PrefixRing, RouteRing, TableFull
 from .observe import RouterMetrics, tracing_for
 from .routing import KvAware, LocalTokenizer, PromptTokens, Routing, make_policy
 from .serve import (
@@ -46,10 +46,20 @@ from .serve import (
     Pump,
     TokenBucket,
 )
+from .tenants import MachineTenantLedger, Tenancy, TenantBook, TenantLedger, TenantsFile
 
 log = logging.getLogger("trio_pdrouter.server")
 
 __all__ = ["build_app"]
+
+
+def know_tenants(ledger: TenantLedger, book: TenantBook) -> None:
+    """A reloaded book's tenants get their slots; a machine table out of room says so and the
+    new tenants are counted where they are first admitted."""
+    try:
+        ledger.know(book.names())
+    except TableFull as exc:
+        log.warning("tenants file reloaded but not every tenant has a slot: %s", exc)
 
 
 def build_app(
@@ -171,6 +181,17 @@ def build_app(
             fleet.add_at_start(url, role, serving=not starting)
     startup = StartupStatus(on_healthy=health.confirm)
     fleet.catch_up()  # and then the runtime changes made before it started
+    tenants_file = None
+    if config.admission.tenants_file is not None:
+        tenants_file = TenantsFile(config.admission.tenants_file)
+    tenant_ledger = (
+        MachineTenantLedger(ledger.table, ledger.row, peers)
+        if isinstance(ledger, MachineLedger)
+        else TenantLedger(peers=peers)
+    )
+    if tenants_file is not None:
+        tenant_ledger.know(tenants_file.book.names())
+        background.start_soon(tenants_file.watch, lambda book: know_tenants(tenant_ledger, book))
     if isinstance(ledger, MachineLedger):
         machine_table = ledger.table
         machine_table.keep_only(ledger.row)  # what a dead predecessor held and nobody uses now
@@ -183,7 +204,7 @@ def build_app(
     bucket = None
     if rate is not None:
         bucket = TokenBucket(config.admission.max_concurrent_requests, rate, trio.current_time())
-    admission = Admission(config.admission, bucket)
+    admission = Admission(config.admission, bucket, tenant_ledger)
     metrics.watch_admission(lambda: admission.queued)
     budget = BufferBudget(config.max_total_buffered_bytes)
     metrics.watch_buffers(lambda: budget.total)
@@ -313,4 +334,6 @@ def build_app(
         inference=inference,
         admin=admin,
         startup=startup,
+        tenancy=Tenancy(config.api_key, tenants_file, config.admission.tenant_header),
+        tenants=tenant_ledger,
     )

@@ -18,6 +18,8 @@ from .config import ConfigError, RouterConfig, build_parser
 from .config import parse_config as parse_settings
 from .observe import TracingUnavailable, check_tracing_available, configure_logging
 from .routing import LocalTokenizer, TokenizerFilesError
+from .tenants import TenantsFileError
+from .tenants import load as load_tenants
 
 __all__ = ["build_parser", "main", "parse_config"]
 
@@ -41,9 +43,22 @@ def _tracing_loads(config: RouterConfig) -> None:
             raise ConfigError(str(exc)) from None
 
 
+def _tenants_load(config: RouterConfig) -> None:
+    """``--tenants-file`` parses; ``--tenant-header`` names tenants of one."""
+    admission = config.admission
+    if admission.tenants_file is not None:
+        try:
+            load_tenants(admission.tenants_file)
+        except TenantsFileError as exc:
+            raise ConfigError(str(exc)) from None
+    elif admission.tenant_header is not None:
+        raise ConfigError("--tenant-header names tenants of a --tenants-file: give one")
+
+
 def _files_load(config: RouterConfig) -> None:
     _tokenizer_loads(config)
     _tracing_loads(config)
+    _tenants_load(config)
 
 
 def parse_config(argv: Sequence[str] | None = None) -> RouterConfig:

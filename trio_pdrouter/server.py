@@ -358,7 +358,7 @@ async def _sync_cluster(
     async with connect(settings.url, timeout=exchange_timeout(settings.ttl)) as store:
         sync = ClusterSync(
             store,
-            lambda: Snapshot.of(app.ledger),
+            lambda: Snapshot.of(app.ledger, app.tenants.snapshot()),
             app.peers,
             interval=settings.interval,
             ttl=settings.ttl,

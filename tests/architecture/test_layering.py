@@ -29,6 +29,7 @@ LAYERS = (
     "machine",  # --workers: the shared-memory table, lock and rings
     "http",  # both HTTP sides: ASGI shapes, errors, SSE, headers, the upstream client
     "ledger",  # load held by leases, request cost, the machine's and the replicas' loads
+    "tenants",  # the tenants file, each tenant's in-flight, queued and served numbers
     "observe",  # metrics, the access record, log files
     "kv",  # vLLM's KV events: wire, feed, index, forecast, subscriber
     "routing",  # choose and charge; the policies; prompt tokens

@@ -21,9 +21,13 @@ from ..ledger import token_count
 from ..observe import ACCESS, RequestRecord, RouterMetrics, access_fields, access_line
 from ..routing import PromptTokens, routing_key
 from ..serve import ContextCheck, Inference, Proxy, bodies, sampling
+from ..tenants import DEFAULT_TENANT
 from .request_body import BadRequest, read_body, send_reply
 
-__all__ = ["MAX_JSON_DEPTH", "InferenceRoutes"]
+__all__ = ["MAX_JSON_DEPTH", "TENANT", "InferenceRoutes"]
+
+#: The scope key under which the app leaves the request's tenant.
+TENANT = "trio_pdrouter.tenant"
 
 log = logging.getLogger("trio_pdrouter.access")
 
@@ -58,9 +62,9 @@ class InferenceRoutes:
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = headers_of(scope)
-        if self._config.api_key is not None:
-            # The client's Authorization carried the router's own key (checked in __call__);
-            # it is not the engines' business. --upstream-api-key sets theirs.
+        if self._config.api_key is not None or self._config.admission.tenants_file is not None:
+            # The client's Authorization carried the router's own key or a tenant's (checked in
+            # __call__); it is not the engines' business. --upstream-api-key sets theirs.
             headers.pop("authorization", None)
         started = trio.current_time()
         try:
@@ -154,6 +158,7 @@ class InferenceRoutes:
             key=key,
             priority=token_count(body.get("priority", 0)) or 0,
             client=client_address(scope),
+            tenant=scope.get(TENANT, DEFAULT_TENANT),
         )
 
 

@@ -5,7 +5,9 @@ keys, request smuggling. Then the inference routes (:mod:`.inference`) or the ad
 (:mod:`.admin`).
 
 Two keys, two audiences. ``--api-key`` is the clients': every route but the open ones
-(:data:`OPEN_ROUTES`) needs it. The routes that change the router — ``POST /workers``, ``DELETE
+(:data:`OPEN_ROUTES`) needs it, or a key of ``--tenants-file``, which also names the request's
+tenant (:class:`~trio_pdrouter.tenants.Tenancy`; the app puts it in the scope for the inference
+routes). The routes that change the router — ``POST /workers``, ``DELETE
 /workers/...`` — and those that show its insides, ``/admin/*`` and ``/debug/*``, need
 ``--admin-api-key``'s key instead (the clients' key never opens them); without an admin key
 they are off (403), unless ``--admin-from-loopback`` lets a peer on 127.0.0.0/8 or ::1 in (the
@@ -26,8 +28,9 @@ from ..ledger import LoadLedger, PeerLoads
 from ..observe import RouterMetrics
 from ..routing import Routing
 from ..serve import ContextCheck, Proxy
+from ..tenants import Tenancy, TenantLedger
 from .admin import ADAPTER_ROUTES, WORKER_PREFIX, AdminRoutes, Handler
-from .inference import InferenceRoutes
+from .inference import TENANT, InferenceRoutes
 from .request_body import CLOSE, send_reply
 
 __all__ = ["OPEN_ROUTES", "RouterApp"]
@@ -67,8 +70,15 @@ class RouterApp:
         inference: InferenceRoutes,
         admin: AdminRoutes,
         startup: StartupStatus,
+        tenancy: Tenancy,
+        tenants: TenantLedger,
     ) -> None:
         self._config = config
+        #: Who each request is for, and whether its key lets it in (``--api-key``, the tenants
+        #: file's keys, ``--tenant-header``).
+        self._tenancy = tenancy
+        #: Each tenant's numbers, as admission keeps them (published to the peer replicas).
+        self.tenants = tenants
         self._cors = Cors(config.cors_allowed_origins)
         self.fleet = fleet
         self.routing = routing
@@ -123,7 +133,6 @@ class RouterApp:
             # within one more read passes that check; this one counts the head itself.
             await send_reply(send, Reply.error(errors.headers_too_large(limit), CLOSE))
             return
-        key = self._config.api_key
         # Before the route is looked up: without the key, every route answers 401 alike, so
         # none can be told apart (enumerated) by its 404 or 405.
         if _admin_only(scope["method"], path):
@@ -131,9 +140,12 @@ class RouterApp:
             if refusal is not None:
                 await send_reply(send, refusal)
                 return
-        elif key is not None and path not in OPEN_ROUTES and not _authorized(scope, key):
-            await send_reply(send, Reply.error(errors.unauthorized(), CHALLENGE))
-            return
+        elif path not in OPEN_ROUTES:
+            tenant = self._tenancy.tenant_of(_bearer(scope), _header(scope, self._tenancy.header))
+            if tenant is None:
+                await send_reply(send, Reply.error(errors.unauthorized(), CHALLENGE))
+                return
+            scope[TENANT] = tenant
         if _smuggling(scope):
             # RFC 9112 §6.1: a message with both may be a request smuggled past a proxy that
             # trusts Content-Length; refuse it and close the connection.
@@ -216,6 +228,26 @@ def _authorized(scope: Scope, api_key: str) -> bool:
                 token.strip(b" "), api_key.encode()
             )
     return False
+
+
+def _bearer(scope: Scope) -> bytes | None:
+    """The token of ``Authorization: Bearer TOKEN`` (the scheme's name is case-insensitive)."""
+    for name, value in scope["headers"]:
+        if name.lower() == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            return token.strip(b" ") if scheme.lower() == b"bearer" else None
+    return None
+
+
+def _header(scope: Scope, wanted: str | None) -> str | None:
+    if wanted is None:
+        return None
+    raw = wanted.encode("latin-1")
+    for name, value in scope["headers"]:
+        if name.lower() == raw:
+            text: str = value.decode("latin-1")
+            return text.strip()
+    return None
 
 
 def _smuggling(scope: Scope) -> bool:

@@ -220,6 +220,28 @@ class AdmissionSettings:
         ),
         check=must(lambda v: v >= 0, "must be 0 or more"),
     )
+    tenants_file: str | None = setting(
+        None,
+        Flag(
+            "--tenants-file",
+            Group.ADMISSION,
+            "a TOML file of tenants: each one's API keys (they authenticate, like --api-key),"
+            " weight (its share of saturated capacity, in tokens), max_concurrent_requests and"
+            " tokens_per_second; reloaded when it changes",
+            metavar="TENANTS_FILE",
+        ),
+    )
+    tenant_header: str | None = setting(
+        None,
+        Flag(
+            "--tenant-header",
+            Group.ADMISSION,
+            "take a request's tenant from this header, set by a trusted gateway in front (a"
+            " name of --tenants-file; any other value: the default tenant)",
+            metavar="HEADER",
+        ),
+        check=must(lambda v: v.strip() != "", "must name a header"),
+    )
     rate_limit_tokens_per_second: int | None = setting(
         None,
         Flag(

@@ -22,6 +22,10 @@ Rules of this module (pure: nothing here awaits or touches the network):
   on. :meth:`PeerLoads.forget` (the store is unreachable) makes every peer count 0 at once, and
   so does an update older than ``valid_for`` seconds (a sync loop that stopped answering): the
   router then routes on its local counts.
+* Beside them, the section ``"tenants"``: ``{tenant: {"in_flight": n, "queued": n, "served": n}}``,
+  the replica's tenants' numbers (:mod:`trio_pdrouter.tenants`); a reader of an older version takes
+  it for a role with no counts, and this version reads a snapshot without it as no tenants.
+  :meth:`PeerLoads.tenant` sums one of them over the live peers.
 * :meth:`PeerLoads.add_to` and :meth:`PeerLoads.add_tokens_to` are what routing calls inside its
   synchronous choose-and-charge: a dictionary lookup per candidate, no await.
 """
@@ -43,6 +47,8 @@ Loads = dict[str, dict[str, int]]
 #: The wire names of the sections beside the counts' role maps (see the module doc).
 VISIBLE = "visible"
 TOKENS = "tokens"
+TENANTS = "tenants"
+SECTIONS = (VISIBLE, TOKENS, TENANTS)
 
 
 @attrs.frozen
@@ -53,11 +59,16 @@ class Snapshot:
     #: None: the same as ``counts`` (a peer of the first version did not say).
     visible: Loads | None = None
     tokens: Loads = attrs.field(factory=dict)
+    #: ``{tenant: {"in_flight"|"queued"|"served": n}}`` (the same shape as the loads).
+    tenants: Loads = attrs.field(factory=dict)
 
     @classmethod
-    def of(cls, ledger: LoadLedger) -> Snapshot:
-        """What this replica publishes: ``ledger``'s numbers now (machine-wide with workers)."""
-        return cls(ledger.snapshot(), ledger.visible_snapshot(), ledger.token_snapshot())
+    def of(cls, ledger: LoadLedger, tenants: Loads | None = None) -> Snapshot:
+        """What this replica publishes: ``ledger``'s numbers now (machine-wide with workers),
+        and its tenants' own numbers."""
+        return cls(
+            ledger.snapshot(), ledger.visible_snapshot(), ledger.token_snapshot(), tenants or {}
+        )
 
     def visible_counts(self) -> Loads:
         return self.counts if self.visible is None else self.visible
@@ -67,6 +78,8 @@ def encode(snapshot: Snapshot) -> bytes:
     wire: dict[str, Any] = dict(snapshot.counts)
     wire[VISIBLE] = snapshot.visible_counts()
     wire[TOKENS] = snapshot.tokens
+    if snapshot.tenants:
+        wire[TENANTS] = snapshot.tenants
     return orjson.dumps(wire)
 
 
@@ -78,13 +91,15 @@ def decode(raw: bytes | str) -> Snapshot:
     data: Any = orjson.loads(raw)
     if not isinstance(data, dict):
         raise ValueError("a snapshot is a JSON object")
-    counts = _loads({role: v for role, v in data.items() if role not in (VISIBLE, TOKENS)})
+    counts = _loads({role: v for role, v in data.items() if role not in SECTIONS})
     visible = data.get(VISIBLE)
     tokens = data.get(TOKENS)
+    tenants = data.get(TENANTS)
     return Snapshot(
         counts,
         _loads(visible) if isinstance(visible, dict) else None,
         _loads(tokens) if isinstance(tokens, dict) else {},
+        _loads(tenants) if isinstance(tenants, dict) else {},
     )
 
 
@@ -131,6 +146,7 @@ class PeerLoads:
         self._counts: dict[tuple[str, str], int] = {}
         self._visible: dict[tuple[str, str], int] = {}
         self._tokens: dict[tuple[str, str], int] = {}
+        self._tenants: dict[tuple[str, str], int] = {}
         self._valid_until = float("-inf")
 
     def update(self, snapshots: Mapping[str, Snapshot]) -> None:
@@ -140,12 +156,13 @@ class PeerLoads:
         self._counts = _by_endpoint(s.counts for s in peers)
         self._visible = _by_endpoint(s.visible_counts() for s in peers)
         self._tokens = _by_endpoint(s.tokens for s in peers)
+        self._tenants = _by_endpoint(s.tenants for s in peers)
         self._valid_until = self._clock() + self._valid_for
 
     def forget(self) -> None:
         """Every peer counts 0 until the next update (the store cannot be reached)."""
         self._snapshots = {}
-        self._counts, self._visible, self._tokens = {}, {}, {}
+        self._counts, self._visible, self._tokens, self._tenants = {}, {}, {}, {}
 
     def live(self) -> bool:
         """True while the last update is recent enough to count."""
@@ -166,6 +183,15 @@ class PeerLoads:
     def token_load(self, endpoint: Endpoint) -> int:
         """The token weight every live peer has charged to ``endpoint``."""
         return self._of(self._tokens, endpoint)
+
+    def tenant(self, name: str, field: str) -> int:
+        """``field`` (``in_flight``, ``queued``, ``served``) of tenant ``name``, summed over the
+        live peers."""
+        return self._tenants.get((name, field), 0) if self.live() else 0
+
+    def tenant_names(self) -> set[str]:
+        """The tenants the live peers have numbers for."""
+        return {name for name, _ in self._tenants} if self.live() else set()
 
     def _of(self, sums: dict[tuple[str, str], int], endpoint: Endpoint) -> int:
         if not self.live():

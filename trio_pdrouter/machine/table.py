@@ -17,6 +17,8 @@ Rules of this module (the layout and the only code that reads or writes it):
   :class:`~trio_pdrouter.ledger.load.LoadLedger` keeps per endpoint, and who uses the slot).
   Every worker finds an endpoint's slot by its key, so workers agree on columns whatever order
   they learn of endpoints in.
+  A tenant's slot (key ``tenant NAME``) uses the same columns for its own numbers (see
+  :mod:`trio_pdrouter.tenants.ledger`).
 * Each worker writes only its own row, so a cell has one writer and needs no atomic add; readers
   sum a column over the rows. The supervisor zeroes a dead worker's row (:meth:`zero_row`)
   before its replacement starts, so a crash never leaves a phantom charge.

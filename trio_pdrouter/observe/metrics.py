@@ -217,6 +217,37 @@ class RouterMetrics:
         )
         for reason in ("queue_full", "queue_timeout"):  # shown at 0 before the first
             self.rejections.labels(reason)
+        # Per tenant: the tenant label is a name of --tenants-file or "default", never a value
+        # a client chose, so the series stay as few as the file's tenants.
+        self.tenant_requests = Counter(
+            p + "tenant_requests",
+            "Inference requests by tenant (a name of --tenants-file, or default), answered or"
+            " refused.",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            p + "tenant_tokens",
+            "Tokens by tenant: kind=admitted, what admission counted (the prompt's estimate plus"
+            " the output cap); kind=used, the prompt and completion tokens the answers' usage"
+            " reported.",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.tenant_queue_wait = Histogram(
+            p + "tenant_queue_wait_seconds",
+            "Time admitted requests waited for admission, by tenant.",
+            ["tenant"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tenant_rejections = Counter(
+            p + "tenant_rejections",
+            "Requests refused by admission, by tenant and reason (queue_full, queue_timeout,"
+            " rate_limited, tenant_concurrency, tenant_tokens, tenant_share).",
+            ["tenant", "reason"],
+            registry=r,
+        )
         self.policy_decisions = Counter(
             p + "policy_decisions",
             "Routing decisions by stage and reason (cache_aware: cache_hit, cache_miss,"
@@ -394,9 +425,23 @@ class RouterMetrics:
             self.retries.labels(rec.route).inc(rec.retries)
         if rec.rejection is not None:
             self.rejections.labels(rec.rejection).inc()
+        if rec.tenant is not None:
+            self._observe_tenant(rec, rec.tenant)
         for stage, endpoint, kind in rec.upstream_errors:
             self.upstream_errors.labels(stage, endpoint, kind).inc()
         self.vllm.observe_request(rec)
+
+    def _observe_tenant(self, rec: RequestRecord, tenant: str) -> None:
+        self.tenant_requests.labels(tenant).inc()
+        if rec.rejection is not None:
+            self.tenant_rejections.labels(tenant, rec.rejection).inc()
+        elif rec.queue_ms is not None:
+            self.tenant_queue_wait.labels(tenant).observe(rec.queue_ms / 1000)
+            if rec.admitted_tokens is not None:
+                self.tenant_tokens.labels(tenant, "admitted").inc(rec.admitted_tokens)
+        used = (rec.prompt_tokens or 0) + (rec.completion_tokens or 0)
+        if used:
+            self.tenant_tokens.labels(tenant, "used").inc(used)
 
     def engine_seen(self, endpoint: str, running: int, waiting: int, drift: int) -> None:
         """One endpoint's scraped engine state and the drift computed from it."""

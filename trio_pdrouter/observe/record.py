@@ -52,6 +52,11 @@ class RequestRecord:
     model: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    #: Whose request it was, how long it waited for admission, and the tokens admission
+    #: counted for it (the prompt's estimate plus the output cap).
+    tenant: str | None = None
+    queue_ms: float | None = None
+    admitted_tokens: int | None = None
 
     @property
     def failed(self) -> bool:
@@ -90,6 +95,8 @@ def access_fields(rec: RequestRecord) -> dict[str, Any]:
         "failed_upstream": rec.failed_upstream,
         "cause": rec.cause,
     }
+    if rec.tenant is not None and rec.tenant != "default":
+        fields["tenant"] = rec.tenant
     return fields
 
 
@@ -121,6 +128,8 @@ def access_line(rec: RequestRecord) -> str:
         f" prompt_tokens={_count(rec.prompt_tokens)}"
         f" completion_tokens={_count(rec.completion_tokens)}"
     )
+    if rec.tenant is not None and rec.tenant != "default":
+        line += f" tenant={rec.tenant}"
     if rec.kv is not None:
         line += f" kv={rec.kv}"
     if rec.cause is not None:

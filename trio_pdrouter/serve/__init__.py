@@ -14,7 +14,17 @@ May import the fleet, routing, the ledger and below.
 
 from __future__ import annotations
 
-from .admission import QUEUE_FULL, QUEUE_TIMEOUT, RATE_LIMITED, Admission, Rejected
+from .admission import (
+    QUEUE_FULL,
+    QUEUE_TIMEOUT,
+    RATE_LIMITED,
+    REASONS,
+    TENANT_CONCURRENCY,
+    TENANT_SHARE,
+    TENANT_TOKENS,
+    Admission,
+    Rejected,
+)
 from .buffers import PIECE_BYTES, BufferBudget, RelayBuffer, RelayOverflow
 from .context_length import ContextCheck
 from .legs import BufferedDecode, PrefillLeg
@@ -46,7 +56,11 @@ __all__ = [
     "QUEUE_FULL",
     "QUEUE_TIMEOUT",
     "RATE_LIMITED",
+    "REASONS",
     "TAKEOVER_AFTER",
+    "TENANT_CONCURRENCY",
+    "TENANT_SHARE",
+    "TENANT_TOKENS",
     "TRANSITIONS",
     "Admission",
     "Attempt",

@@ -138,6 +138,10 @@ class Proxy:
         finally:
             self.in_flight.discard(req)
         record = req.record()
+        if record.rejection is None and record.prompt_tokens is not None:
+            # The answer said what the request really used: its tenant is charged that.
+            used = record.prompt_tokens + (record.completion_tokens or 0)
+            self._admission.settle(req.inf.tenant, req.inf.cost, used)
         if trace is not None:
             req.end_trace(record)
         return record
@@ -150,11 +154,11 @@ class Proxy:
             # Admission waits inside the request's scope: a client that leaves while queued
             # gives its place up at once.
             try:
-                async with self._admission.slot(req.inf.priority):
+                inf = req.inf
+                async with self._admission.slot(inf.priority, inf.tenant, inf.cost):
                     req.admitted()
                     if req.trace is not None:
-                        waited = (trio.current_time() - req.started) * 1000
-                        req.trace.note("trio_pdrouter.queue_wait_ms", waited)
+                        req.trace.note("trio_pdrouter.queue_wait_ms", req.queue_ms or 0.0)
                     reply = await self._attempts(req)
             except Rejected as exc:
                 req.rejected(exc.reason)

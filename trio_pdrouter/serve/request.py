@@ -25,6 +25,7 @@ from ..http import Connection, Downstream, Headers, Reply, Route, errors, sse
 from ..ledger import Lease
 from ..observe import LegTrace, RequestRecord, RequestTrace, usage_of
 from ..routing import Lesson, RoutingKey
+from ..tenants import DEFAULT_TENANT, Tenant
 from ..transport import SendSide
 from .lifecycle import Event, KvEvent, KvOwner, Lifecycle, Phase, outcome
 from .outcomes import LegFailure, Verdict
@@ -45,6 +46,13 @@ class Inference:
     priority: int = 0
     #: The client's address (``host:port``), for the access log.
     client: str | None = None
+    #: Whose request it is (the key that authenticated it, or the gateway's header).
+    tenant: Tenant = DEFAULT_TENANT
+
+    @property
+    def cost(self) -> int:
+        """Its tokens as admission counts them: the prompt's estimate plus the output cap."""
+        return self.key.prompt_tokens + self.key.output_tokens
 
 
 class OutcomeSink(Protocol):
@@ -130,6 +138,7 @@ class Request:
         "prefill_answer",
         "prefill_answered_at",
         "prefill_ms",
+        "queue_ms",
         "rejection",
         "scope",
         "shows_endpoints",
@@ -174,6 +183,8 @@ class Request:
         self.prefill_answered_at = 0.0
         self._prefill_sent_at = 0.0
         self.rejection: str | None = None
+        #: Milliseconds it waited for admission (set when admitted or refused).
+        self.queue_ms: float | None = None
         #: The request's cancel scope, once it runs (the proxy's shutdown cancels it).
         self.scope: trio.CancelScope | None = None
         #: Called when the request is ended from outside (:meth:`stalled`, :meth:`shut_down`)
@@ -188,9 +199,11 @@ class Request:
     # -- the steps, in the order of the lifecycle -------------------------------------------
 
     def admitted(self) -> None:
+        self.queue_ms = (trio.current_time() - self.started) * 1000
         self.life.step(Event.ADMIT)
 
     def rejected(self, reason: str) -> None:
+        self.queue_ms = (trio.current_time() - self.started) * 1000
         self.rejection = reason
         self.life.step(Event.REJECT)
 
@@ -385,6 +398,9 @@ class Request:
             bytes_out=down.bytes_sent,
             retries=self.life.retries,
             rejection=self.rejection,
+            tenant=self.inf.tenant.name,
+            queue_ms=self.queue_ms,
+            admitted_tokens=self.inf.cost,
             upstream_errors=self.upstream_errors,
             failed_stage=None if failure is None else failure.stage,
             failed_upstream=None if failure is None else failure.endpoint.key,

@@ -38,6 +38,7 @@ from ..http import listening_sockets
 from ..kv import KvFanout, sources_for
 from ..machine import DEFAULT_LOG_ENTRIES, DEFAULT_SLOTS, MachineTable
 from ..server import metrics_socket, starting_line
+from ..tenants import MAX_TENANTS
 from .worker import READY, WorkerCommand, worker_command
 
 log = logging.getLogger("trio_pdrouter.supervisor")
@@ -192,11 +193,14 @@ def table_size(config: RouterConfig) -> tuple[int, int]:
     A server takes a slot per endpoint and one for its URL's health verdict; servers removed but
     still draining keep theirs, so there is room for every server twice. The log's snapshot
     holds at most every runtime server and every command-line server removed: twice that leaves
-    as much room for changes again.
+    as much room for changes again. With a tenants file, each tenant takes a slot, kept for the
+    machine's life: room for twice the most a file may name, for the names reloads bring.
     """
     static = sum(len(urls) for urls in config.servers().values())
     servers = static + config.max_runtime_servers
     slots = 2 * servers * (config.dp_size + 1) + 16
+    if config.admission.tenants_file is not None:
+        slots += 2 * (MAX_TENANTS + 1)  # every tenant's slot, twice over for reloads
     entries = 2 * (2 * static + config.max_runtime_servers) + 16
     return max(DEFAULT_SLOTS, slots), max(DEFAULT_LOG_ENTRIES, entries)
 
