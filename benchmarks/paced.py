@@ -17,7 +17,8 @@ would save; the router does not ship that patch.
 Targets take turns within a round (floor, ours, vllm-router, floor, ...) and the median over
 rounds is reported, because other processes load the machine. Router CPU is the router process's
 user + system time over the measured window (psutil). "ours, no pump" is the router with
-``--no-relay-pump`` (every stream relayed by its own task). ``BENCH_BASELINE=DIR`` adds an
+``--no-relay-pump`` (every stream relayed by its own task), "ours, --workers 2" two worker
+processes (regular mode). ``BENCH_BASELINE=DIR`` adds an
 "ours (baseline)" target run from another checkout (``git archive main | tar -x -C DIR``), for
 before/after comparisons in the same run; ``BENCH_PACED_MODES=regular|pd``, ``BENCH_PACED_C=256``
 and ``BENCH_PACED_REPEATS=N`` narrow or lengthen a run.
@@ -81,6 +82,10 @@ def _targets(
     targets["ours, no pump"] = start_router(
         procs, f"ours-nopump-{mode}", "ours", [*ours_flags, "--no-relay-pump"]
     )
+    if mode == "regular":
+        targets["ours, --workers 2"] = start_router(
+            procs, f"ours-workers-{mode}", "ours", [*ours_flags, "--workers", "2"]
+        )
     baseline = os.environ.get("BENCH_BASELINE")
     if baseline:
         targets["ours (baseline)"] = start_router(

@@ -142,6 +142,8 @@ class Pump:
         self._rate = 0.0  # reads per second, over the last RATE_WINDOW
         self._rate_since = 0.0
         self._next_check = math.inf
+        #: trio's clock at the start of the current turn (a read's time, to the turn).
+        self._now = 0.0
 
     @property
     def streams(self) -> int:
@@ -212,6 +214,7 @@ class Pump:
 
     def turn(self) -> None:
         """Move everything ready now, without waiting; check idle limits when due."""
+        self._now = trio.current_time()
         by_fd = self._by_fd
         for fd, _ in self._epoll.poll(0):
             p = by_fd.get(fd)
@@ -246,11 +249,15 @@ class Pump:
         if not data:
             return
         self._reads += 1
-        p.last_read = trio.current_time()
+        p.last_read = self._now
         try:
             events = answer.feed(data)
             if events:
-                answer.buffer.put(events)
+                if p._piece or answer.buffer.queued:
+                    answer.buffer.put(events)  # behind what waits: in order
+                else:
+                    self._send_now(p, events)
+                    return
         except (EventTooLarge, RelayOverflow) as exc:
             self._stop_reading(p)
             p.up.close()  # the engine learns at once that nobody reads on
@@ -260,6 +267,27 @@ class Pump:
                 self._read(p)
                 return
         self._write(p)
+
+    def _send_now(self, p: Pumped, events: bytes) -> None:
+        """Nothing waits for the client: write ``events`` straight away, as one chunk; what
+        its socket does not take is finished by :meth:`_write` when it is writable."""
+        p.answer.buffer.passing(len(events))
+        p.down.passed(events)
+        piece = b"%x\r\n%b\r\n" % (len(events), events)
+        try:
+            written = os.write(p.client_fd, piece)
+        except BlockingIOError:
+            written = 0
+        except OSError:
+            self._finish(p, CLIENT_GONE)
+            return
+        if written:
+            p.down.sends_done += 1
+        if written < len(piece):
+            p._piece, p._offset = piece, written
+            self._watch_client(p)
+        if p.up.at_end:  # the end came in the same read: no socket event will tell it
+            self._read(p)
 
     def _write(self, p: Pumped) -> None:
         """Write what is due to the client until its socket takes no more (module doc)."""
