@@ -10,10 +10,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import orjson
 
 from .common import scenario_results, table_cell
@@ -46,6 +42,17 @@ def latest(scenario: str) -> tuple[Path, dict[str, Any]] | None:
     if not files:
         return None
     return files[-1], orjson.loads(files[-1].read_bytes())
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the file backend, imported when a chart is drawn: the report's
+    text functions (and the tests of them) need no plotting library."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _f(value: Any, digits: int = 1) -> str:
@@ -133,6 +140,7 @@ def _plot_running(configs: list[dict[str, Any]], dest: Path) -> None:
     n = len(configs)
     cols = 2
     rows = (n + cols - 1) // cols
+    plt = _pyplot()
     fig, axes = plt.subplots(rows, cols, figsize=(12, 2.6 * rows), sharey=True, squeeze=False)
     for ax, c in zip(axes.flat, configs, strict=False):
         series = c["series"]["decode"]
@@ -154,6 +162,7 @@ def _plot_running(configs: list[dict[str, Any]], dest: Path) -> None:
 
 
 def _plot_cdf(curves: dict[str, list[float]], dest: Path, xlabel: str, log: bool) -> None:
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for label, points in curves.items():
         if points:
@@ -286,6 +295,7 @@ def _relay(path: Path, data: dict[str, Any]) -> list[str]:
     )
     out += ["", *(f"- {n}" for n in data.get("notes", []))]
     chart = _chart_name(path, "relay-events")
+    plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
     names = list(data["points"][0]["targets"]) if data["points"] else []
     xs = [pt["concurrency"] for pt in data["points"]]

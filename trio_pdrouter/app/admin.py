@@ -46,6 +46,8 @@ UNLOAD_ADAPTER = "/v1/unload_lora_adapter"
 ADAPTER_ROUTES = frozenset({LOAD_ADAPTER, UNLOAD_ADAPTER})
 #: Seconds an engine may take to load or unload an adapter (loading reads it from disk).
 ADAPTER_TIMEOUT = 60.0
+#: What :meth:`AdminRoutes._json_body` returns once it answered an unreadable body itself.
+_NO_BODY = object()
 
 
 class AdminRoutes:
@@ -176,15 +178,9 @@ class AdminRoutes:
         The new server takes traffic once a health probe has passed (at once when health
         checks are off).
         """
-        try:
-            raw = await read_body(receive, 64 * 1024, self._config.server.body_timeout)
-        except BadRequest as exc:
-            await send_reply(send, Reply.error(exc.error, exc.headers))
+        body = await self._json_body(receive, send)
+        if body is _NO_BODY:
             return
-        try:
-            body = orjson.loads(raw or b"null")
-        except orjson.JSONDecodeError:
-            body = None
         url, role_name = (body.get("url"), body.get("role")) if isinstance(body, dict) else (0, 0)
         if not isinstance(url, str) or role_name not in {r.value for r in Role}:
             error = errors.bad_request(
@@ -325,15 +321,9 @@ class AdminRoutes:
         succeeded, else the first failure's (the log names every server's status).
         """
         path = scope["path"]
-        try:
-            raw = await read_body(receive, 64 * 1024, self._config.server.body_timeout)
-        except BadRequest as exc:
-            await send_reply(send, Reply.error(exc.error, exc.headers))
+        body = await self._json_body(receive, send)
+        if body is _NO_BODY:
             return
-        try:
-            body = orjson.loads(raw or b"null")
-        except orjson.JSONDecodeError:
-            body = None
         name = body.get("lora_name") if isinstance(body, dict) else None
         if not isinstance(body, dict) or not isinstance(name, str) or not name:
             error = errors.bad_request("expected a JSON object with 'lora_name'", "lora_name")
@@ -378,6 +368,19 @@ class AdminRoutes:
         status, answer, kind = answers[failed[0] if failed else targets[0]]
         head = [] if kind is None else [(b"content-type", kind.encode("latin-1"))]
         await send_reply(send, Reply(status, head, answer))
+
+    async def _json_body(self, receive: Receive, send: Send) -> object:
+        """An admin request's JSON body (None if it is not JSON), or :data:`_NO_BODY` once a
+        body that could not be read (too large, too slow) has been answered."""
+        try:
+            raw = await read_body(receive, 64 * 1024, self._config.server.body_timeout)
+        except BadRequest as exc:
+            await send_reply(send, Reply.error(exc.error, exc.headers))
+            return _NO_BODY
+        try:
+            return orjson.loads(raw or b"null")
+        except orjson.JSONDecodeError:
+            return None
 
     def _adapter_targets(self, path: str, name: str, base: str | None) -> list[str]:
         """The healthy servers an adapter route goes to (see :meth:`adapter`)."""

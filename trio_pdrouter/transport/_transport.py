@@ -110,30 +110,42 @@ class H11ResponseStream(httpx.AsyncByteStream):
         return self
 
     async def __anext__(self) -> bytes:
+        conn = self._open_conn()
+        try:
+            chunk = await conn.next_body_chunk(self._request, read_timeout=self._read_timeout)
+        except BaseException:
+            self._broken()
+            raise
+        if chunk is None:
+            self._ended()
+            raise StopAsyncIteration
+        return chunk
+
+    def _open_conn(self) -> H11Connection:
+        """The connection while the body is being read; at its end StopAsyncIteration, after a
+        failure or close a ReadError."""
         if self._state != _OPEN:
             if self._state == _DONE:
                 raise StopAsyncIteration
             raise httpx.ReadError(
                 "response stream was closed before the end of the body", request=self._request
             )
-        conn = self._conn
-        try:
-            chunk = await conn.next_body_chunk(self._request, read_timeout=self._read_timeout)
-        except BaseException:
-            # Error, timeout or cancellation mid-body: close before anything else can run.
-            self._state = _BROKEN
-            self._pool.discard(conn)
-            raise
-        if chunk is not None:
-            return chunk
-        # Clean end: hand the connection back now rather than waiting for aclose(), so the
-        # next request can use it while the caller is still finishing up.
+        return self._conn
+
+    def _broken(self) -> None:
+        """Error, timeout or cancellation mid-body: close before anything else can run."""
+        self._state = _BROKEN
+        self._pool.discard(self._conn)
+
+    def _ended(self) -> None:
+        """Clean end: hand the connection back now rather than waiting for aclose(), so the
+        next request can use it while the caller is still finishing up."""
         self._state = _DONE
+        conn = self._conn
         if conn.finish_cycle():
             self._pool.release(conn)
         else:
             self._pool.discard(conn)
-        raise StopAsyncIteration
 
     @property
     def request(self) -> httpx.Request:
@@ -152,27 +164,18 @@ class H11ResponseStream(httpx.AsyncByteStream):
         the clean end, which hands the connection back as ``__anext__`` does. For a caller
         that polls :meth:`polled_fd` itself; any error closes the connection, as in
         ``__anext__``."""
-        if self._state != _OPEN:
-            if self._state == _DONE:
-                return None
-            raise httpx.ReadError(
-                "response stream was closed before the end of the body", request=self._request
-            )
-        conn = self._conn
+        try:
+            conn = self._open_conn()
+        except StopAsyncIteration:
+            return None
         try:
             chunk = conn.read_chunked_now(self._request)
         except BaseException:
-            self._state = _BROKEN
-            self._pool.discard(conn)
+            self._broken()
             raise
-        if chunk is not None:
-            return chunk
-        self._state = _DONE
-        if conn.finish_cycle():
-            self._pool.release(conn)
-        else:
-            self._pool.discard(conn)
-        return None
+        if chunk is None:
+            self._ended()
+        return chunk
 
     @property
     def at_end(self) -> bool:
