@@ -70,7 +70,7 @@ _OUT = select.EPOLLOUT | select.EPOLLERR | select.EPOLLHUP
 
 
 class Answer(Protocol):
-    """What the pump settles of an engine's answer (:class:`~.relay.Answer`)."""
+    """What the pump settles of an engine's answer (the relay's, :mod:`.relay`)."""
 
     @property
     def buffer(self) -> RelayBuffer: ...
@@ -92,15 +92,14 @@ class Pumped:
     """One stream in the pump."""
 
     __slots__ = (
-        "_offset",
-        "_piece",
         "answer",
-        "client",
         "client_fd",
         "down",
         "end",
         "ended",
         "last_read",
+        "offset",
+        "piece",
         "up",
         "up_fd",
         "watching_client",
@@ -115,13 +114,12 @@ class Pumped:
         assert fd is not None
         #: The engine's descriptor while it is polled, else -1.
         self.up_fd = fd
-        self.client = client
         self.client_fd = client.fileno()
         self.down = down
         self.watching_client = False
         #: The chunk being written to the client and how much of it is written.
-        self._piece = b""
-        self._offset = 0
+        self.piece = b""
+        self.offset = 0
         self.last_read = trio.current_time()
         self.end: str | None = None
         self.ended = trio.Event()
@@ -194,10 +192,10 @@ class Pump:
         self._streams.discard(p)
         self._stop_reading(p)
         self._stop_watching_client(p)
-        if 0 < p._offset < len(p._piece):
-            p.down.unsent = p._piece[p._offset :]
-        p._piece = b""
-        p._offset = 0
+        if 0 < p.offset < len(p.piece):
+            p.down.unsent = p.piece[p.offset :]
+        p.piece = b""
+        p.offset = 0
 
     async def run(self) -> None:
         """Forever: wait until a polled socket is ready, move what is there (module doc)."""
@@ -253,7 +251,7 @@ class Pump:
         try:
             events = answer.feed(data)
             if events:
-                if p._piece or answer.buffer.queued:
+                if p.piece or answer.buffer.queued:
                     answer.buffer.put(events)  # behind what waits: in order
                 else:
                     self._send_now(p, events)
@@ -284,7 +282,7 @@ class Pump:
         if written:
             p.down.sends_done += 1
         if written < len(piece):
-            p._piece, p._offset = piece, written
+            p.piece, p.offset = piece, written
             self._watch_client(p)
         if p.up.at_end:  # the end came in the same read: no socket event will tell it
             self._read(p)
@@ -296,7 +294,7 @@ class Pump:
         buffer = p.answer.buffer
         down = p.down
         while True:
-            if not p._piece:
+            if not p.piece:
                 data = buffer.take_now()
                 if data is None:
                     if buffer.closed and p.up_fd < 0:
@@ -305,10 +303,10 @@ class Pump:
                         self._stop_watching_client(p)
                     return
                 down.passed(data)
-                p._piece = b"%x\r\n%b\r\n" % (len(data), data)
-                p._offset = 0
+                p.piece = b"%x\r\n%b\r\n" % (len(data), data)
+                p.offset = 0
             try:
-                written = os.write(p.client_fd, memoryview(p._piece)[p._offset :])
+                written = os.write(p.client_fd, memoryview(p.piece)[p.offset :])
             except BlockingIOError:
                 written = 0
             except OSError:
@@ -316,11 +314,11 @@ class Pump:
                 return
             if written:
                 down.sends_done += 1
-                p._offset += written
-            if p._offset < len(p._piece):
+                p.offset += written
+            if p.offset < len(p.piece):
                 self._watch_client(p)
                 return
-            p._piece = b""
+            p.piece = b""
 
     def _finish(self, p: Pumped, end: str) -> None:
         if p.end is None:
