@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 import trio
 
+from .connection import Connection
 from .errors import RouterError
 
 Message = dict[str, Any]
@@ -53,8 +54,8 @@ class Downstream:
 
     __slots__ = (
         "_before_last",
+        "_connection",
         "_last",
-        "_raw",
         "_send",
         "bytes_sent",
         "first_chunk_at",
@@ -65,9 +66,9 @@ class Downstream:
         "unsent",
     )
 
-    def __init__(self, send: Send, raw: Callable[[bytes], Awaitable[None]] | None = None) -> None:
+    def __init__(self, send: Send, connection: Connection | None = None) -> None:
         self._send = send
-        self._raw = raw
+        self._connection = connection
         #: Framed body bytes a writer past hypercorn (:mod:`trio_pdrouter.serve.pump`) left
         #: half-written: sent as they are, through ``raw``, before the next message.
         self.unsent = b""
@@ -84,9 +85,9 @@ class Downstream:
         self.sending = True
         try:
             if self.unsent:
-                assert self._raw is not None
+                assert self._connection is not None
                 data, self.unsent = self.unsent, b""
-                await self._raw(data)
+                await self._connection.send_raw(data)
             await self._send(message)
         finally:
             self.sending = False
@@ -100,13 +101,13 @@ class Downstream:
     async def chunk(self, data: bytes) -> None:
         if self.first_chunk_at is None:
             self.first_chunk_at = trio.current_time()
-        self.bytes_sent += len(data)
         if data:
-            self._before_last, self._last = self._last, data
+            self.passed(data)
         await self._out({"type": "http.response.body", "body": data, "more_body": True})
 
     def passed(self, data: bytes) -> None:
-        """``data`` (non-empty) went to the client past :meth:`chunk` (the pump's writes)."""
+        """``data`` (non-empty) is sent to the client: by :meth:`chunk`, or past hypercorn (the
+        pump's writes)."""
         self.bytes_sent += len(data)
         self._before_last, self._last = self._last, data
 

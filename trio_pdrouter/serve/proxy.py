@@ -35,14 +35,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-from collections.abc import Awaitable, Callable
 
 import trio
 
 from ..config import RouterConfig
 from ..endpoints import Role
 from ..http import (
-    Connection,
     Downstream,
     Receive,
     Reply,
@@ -113,7 +111,7 @@ class Proxy:
         connection = current_connection()
         req = Request(
             inf,
-            Downstream(send, None if connection is None else _raw_sender(connection)),
+            Downstream(send, connection),
             self._outcomes,
             connection,
             shows_endpoints=self._config.expose_routing_headers,
@@ -315,15 +313,6 @@ async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, req: Requ
             else:
                 scope.cancel()
             return
-
-
-def _raw_sender(connection: Connection) -> Callable[[bytes], Awaitable[None]]:
-    """Bytes written as they are on ``connection`` (looked up when used, not before)."""
-
-    async def send_raw(data: bytes) -> None:
-        await connection.send_raw(data)
-
-    return send_raw
 
 
 def _with_routing_headers(req: Request, reply: Reply) -> Reply:

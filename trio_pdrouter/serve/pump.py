@@ -69,6 +69,11 @@ _IN = select.EPOLLIN | select.EPOLLERR | select.EPOLLHUP
 _OUT = select.EPOLLOUT | select.EPOLLERR | select.EPOLLHUP
 
 
+def _chunk(data: bytes) -> bytes:
+    """``data`` as one HTTP/1.1 chunk."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
 class Answer(Protocol):
     """What the pump settles of an engine's answer (the relay's, :mod:`.relay`)."""
 
@@ -222,7 +227,7 @@ class Pump:
                 self._read(p)
             elif fd == p.client_fd and p.watching_client:
                 self._write(p)
-        now = trio.current_time()
+        now = self._now  # a turn takes no measurable time
         if now >= self._next_check:
             self._check_idle(now)
         if now - self._rate_since >= RATE_WINDOW:
@@ -235,14 +240,10 @@ class Pump:
         try:
             data = p.up.read_now()
         except httpx.HTTPError as exc:
-            self._stop_reading(p)
-            answer.ended_by(exc)
-            self._write(p)
+            self._engine_over(p, exc)
             return
         if data is None:
-            self._stop_reading(p)
-            answer.upstream_ended()
-            self._write(p)
+            self._engine_over(p, None)
             return
         if not data:
             return
@@ -250,20 +251,28 @@ class Pump:
         p.last_read = self._now
         try:
             events = answer.feed(data)
-            if events:
-                if p.piece or answer.buffer.queued:
-                    answer.buffer.put(events)  # behind what waits: in order
-                else:
-                    self._send_now(p, events)
-                    return
+            if events and (p.piece or answer.buffer.queued):
+                answer.buffer.put(events)  # behind what waits: in order
+                events = b""
         except (EventTooLarge, RelayOverflow) as exc:
-            self._stop_reading(p)
-            p.up.close()  # the engine learns at once that nobody reads on
-            answer.ended_by(exc)
+            self._engine_over(p, exc)
+            return
+        if events:
+            self._send_now(p, events)
         else:
-            if p.up.at_end:  # the end came in the same read: no socket event will tell it
-                self._read(p)
-                return
+            self._write(p)
+        if p.up.at_end and p in self._streams:  # the end came in the same read: no socket
+            self._read(p)  # event will tell it
+
+    def _engine_over(self, p: Pumped, exc: Exception | None) -> None:
+        """The engine's answer ended (``exc``: what cut it short): it is polled no more,
+        settled at once, and the client gets what is left."""
+        self._stop_reading(p)
+        if exc is None:
+            p.answer.upstream_ended()
+        else:
+            p.up.close()  # the engine learns at once that nobody reads on (if still open)
+            p.answer.ended_by(exc)
         self._write(p)
 
     def _send_now(self, p: Pumped, events: bytes) -> None:
@@ -271,28 +280,14 @@ class Pump:
         its socket does not take is finished by :meth:`_write` when it is writable."""
         p.answer.buffer.passing(len(events))
         p.down.passed(events)
-        piece = b"%x\r\n%b\r\n" % (len(events), events)
-        try:
-            written = os.write(p.client_fd, piece)
-        except BlockingIOError:
-            written = 0
-        except OSError:
-            self._finish(p, CLIENT_GONE)
-            return
-        if written:
-            p.down.sends_done += 1
-        if written < len(piece):
-            p.piece, p.offset = piece, written
-            self._watch_client(p)
-        if p.up.at_end:  # the end came in the same read: no socket event will tell it
-            self._read(p)
+        p.piece, p.offset = _chunk(events), 0
+        self._write_piece(p)
 
     def _write(self, p: Pumped) -> None:
         """Write what is due to the client until its socket takes no more (module doc)."""
         if p not in self._streams:
             return
         buffer = p.answer.buffer
-        down = p.down
         while True:
             if not p.piece:
                 data = buffer.take_now()
@@ -302,23 +297,29 @@ class Pump:
                     else:
                         self._stop_watching_client(p)
                     return
-                down.passed(data)
-                p.piece = b"%x\r\n%b\r\n" % (len(data), data)
-                p.offset = 0
-            try:
-                written = os.write(p.client_fd, memoryview(p.piece)[p.offset :])
-            except BlockingIOError:
-                written = 0
-            except OSError:
-                self._finish(p, CLIENT_GONE)
+                p.down.passed(data)
+                p.piece, p.offset = _chunk(data), 0
+            if not self._write_piece(p):
                 return
-            if written:
-                down.sends_done += 1
-                p.offset += written
-            if p.offset < len(p.piece):
-                self._watch_client(p)
-                return
-            p.piece = b""
+
+    def _write_piece(self, p: Pumped) -> bool:
+        """Write what is left of the chunk under way; True once it is all written (else the
+        client's socket is watched for room, or the client is gone)."""
+        try:
+            written = os.write(p.client_fd, memoryview(p.piece)[p.offset :])
+        except BlockingIOError:
+            written = 0
+        except OSError:
+            self._finish(p, CLIENT_GONE)
+            return False
+        if written:
+            p.down.sends_done += 1
+            p.offset += written
+        if p.offset < len(p.piece):
+            self._watch_client(p)
+            return False
+        p.piece = b""
+        return True
 
     def _finish(self, p: Pumped, end: str) -> None:
         if p.end is None:
@@ -331,12 +332,8 @@ class Pump:
         assert limit is not None
         for p in list(self._streams):
             if p.up_fd >= 0 and now - p.last_read > limit:
-                self._stop_reading(p)
-                p.up.close()
-                p.answer.ended_by(
-                    httpx.ReadTimeout(f"read timed out after {limit}s", request=p.up.request)
-                )
-                self._write(p)
+                timeout = httpx.ReadTimeout(f"read timed out after {limit}s", request=p.up.request)
+                self._engine_over(p, timeout)
         self._next_check = now + self._check_every if self._streams else math.inf
 
     def _stop_reading(self, p: Pumped) -> None:

@@ -57,7 +57,6 @@ from ..transport import H11ResponseStream, SendSide, body_chunks
 from . import outcomes
 from .buffers import BufferBudget, RelayBuffer, RelayOverflow
 from .legs import UpstreamCall, status_failure
-from .lifecycle import Event
 from .outcomes import LegFailure
 from .pump import CLIENT_GONE, Pump
 from .request import Attempt, Request
@@ -184,9 +183,13 @@ class _Answer:
 
     def take_over(self, reader: Callable[[_Answer], Awaitable[None]]) -> None:
         """The client holds a send: reading moves to ``reader``, in a task of its own."""
-        self.inline = False
-        self.idle.scope.deadline = math.inf  # the request's task reads no more
+        self.leave_request_task()
         self.nursery.start_soon(reader, self)
+
+    def leave_request_task(self) -> None:
+        """The request's task reads no more (a reader of its own, or the pump, does)."""
+        self.inline = False
+        self.idle.scope.deadline = math.inf
 
 
 class DecodeRelay:
@@ -368,18 +371,12 @@ class DecodeRelay:
         req, up, client = answer.req, answer.chunks, answer.req.connection
         assert isinstance(up, H11ResponseStream) and client is not None
         self._inline.discard(answer)  # never handed to a reader of its own now
-        answer.inline = False
-        answer.idle.scope.deadline = math.inf  # the pump keeps the idle limit
+        answer.leave_request_task()  # the pump keeps the idle limit
         carried = pump.enter(answer, up, client, req.down)
         req.on_cancel = lambda: pump.take_back(carried)
         if await pump.carry(carried) == CLIENT_GONE:
-            # Like a disconnect hypercorn reports: the request ends now and its connection
-            # is closed (the engine's response is closed on the way out).
-            if req.life.allows(Event.CLIENT_LEFT):
-                req.client_left()
-            req.end()
-            client.cut()
-            await trio.lowlevel.checkpoint()
+            req.client_lost()
+            await trio.lowlevel.checkpoint()  # the request's cancellation, at once
 
     async def _read(self, answer: _Answer) -> None:
         """A reader of its own, after a takeover: reads into the buffer until the answer ends,

@@ -285,6 +285,15 @@ class Request:
         if self.connection is not None:
             self.connection.cut()
 
+    def client_lost(self) -> None:
+        """A write to the client failed (the relay pump's): the request ends as when hypercorn
+        reports a disconnect, and its connection is closed."""
+        if self.life.allows(Event.CLIENT_LEFT):
+            self.life.step(Event.CLIENT_LEFT)
+        self.end()
+        if self.connection is not None:
+            self.connection.cut()
+
     def shut_down(self) -> bool:
         """The router's shutdown deadline: end the request now, if its answer is not decided.
 
