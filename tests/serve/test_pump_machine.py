@@ -3,7 +3,8 @@
 A Hypothesis state machine runs the real :class:`Pump` with real engine connections (our
 ``H11Transport`` to a scripted engine listening on 127.0.0.1) and real client sockets (socket
 pairs with small buffers, so a client that stops reading fills them). Rules: a stream is handed
-to the pump after its first event; the engine sends events (split anywhere across writes), ends
+to the pump once its first event is read (the pump writes that event, or the request's task has
+sent it); the engine sends events (split anywhere across writes), ends
 with or without ``[DONE]``, or breaks; the client reads, stops reading, leaves; the request is
 ended from outside (shutdown, stall, disconnect: the stream is taken back); time passes past the
 idle limit. After every rule the loop runs until every task is blocked, then the invariants:
@@ -123,7 +124,7 @@ class Stream:
         self.number = number
         self.engine: trio.SocketStream
         self.engine_done = False  # the engine ended its answer (cleanly or not)
-        self.events: list[bytes] = []  # sent by the engine after the first, in order
+        self.events: list[bytes] = []  # sent by the engine and due to the client, in order
         self.written = b""  # what the engine wrote of them (may stop mid-event)
         self.client_end: socket.socket
         self.client_open = True
@@ -173,13 +174,15 @@ class PumpMachine(RuleBasedStateMachine):
     # -- rules -------------------------------------------------------------------------------
 
     @precondition(lambda self: len(self._live()) < MAX_LIVE)
-    @rule()
-    def a_stream_reaches_the_pump(self) -> None:
+    @rule(first_by_pump=st.booleans())
+    def a_stream_reaches_the_pump(self, first_by_pump: bool) -> None:
+        """After the request's task read its first event: the pump writes that event (the
+        relay's way), or the request's task sent it already (the pump's contract allows both)."""
         s = Stream(len(self.streams))
         self.streams.append(s)
-        self._do(lambda: self._open(s))
+        self._do(lambda: self._open(s, first_by_pump))
 
-    async def _open(self, s: Stream) -> None:
+    async def _open(self, s: Stream, first_by_pump: bool) -> None:
         url = f"http://127.0.0.1:{self.port}/v1/completions"
         got: dict[str, httpx.Response] = {}
 
@@ -195,7 +198,8 @@ class PumpMachine(RuleBasedStateMachine):
         up = body_chunks(got["resp"])
         assert isinstance(up, H11ResponseStream)
         s.up = up
-        assert await up.__anext__() == b"data: first\n\n"  # sent by the request's task
+        first = await up.__anext__()
+        assert first == b"data: first\n\n"
         router_end, test_end = trio.socket.socketpair()
         router_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
         s.client_end = socket.socket(fileno=os.dup(test_end.fileno()))
@@ -206,8 +210,15 @@ class PumpMachine(RuleBasedStateMachine):
         s.answer = Answer(self.budget)
         s.down = Downstream(self._no_send)
         assert Pump.can_carry(up, s.client)  # type: ignore[arg-type]
-        s.pumped = self.pump.enter(s.answer, up, s.client, s.down)  # type: ignore[arg-type]
+        if first_by_pump:
+            s.events.append(first)
+        else:
+            first = b""  # sent by the request's task, before the pump
+        s.pumped = self.pump.enter(s.answer, up, s.client, s.down, first)  # type: ignore[arg-type]
         self.loop.nursery.start_soon(self._request, s)
+        if first:  # on the client's socket already: the first token waits for no turn
+            s.received = s.client_end.recv(65536)
+            assert _dechunk(s.received) == (first, b"")
 
     @staticmethod
     async def _no_send(message: Any) -> None:
@@ -435,3 +446,71 @@ async def test_an_answer_whose_end_came_with_its_first_event_is_not_pumped() -> 
     listeners[0].socket.close()
     router_end.close()
     test_end.close()
+
+
+async def test_a_busy_pump_turns_on_its_clock_and_waits_on_its_set_again_once_quiet(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Past the read rate that batches, the pump stops waiting on its set and turns every
+    ``max_delay`` (virtual time here): every event still arrives, in order; once the engine is
+    quiet for a rate window the pump says it no longer batches, and an event then arrives at
+    once (without the clock moving: the pump woke on the socket, not on its clock)."""
+    max_delay = 0.05  # batches past 4 / 0.05 = 80 reads a second
+    pump = Pump(max_delay=max_delay, idle_limit=None)
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    transport = H11Transport()
+    router_end, test_end = trio.socket.socketpair()
+    got: dict[str, httpx.Response] = {}
+
+    async def ask() -> None:
+        request = httpx.Request("POST", f"http://127.0.0.1:{port}/v1/completions", content=b"{}")
+        got["resp"] = await transport.handle_async_request(request)
+
+    with trio.fail_after(10):  # virtual seconds: a pump that stops turning fails, not hangs
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump.run)
+            async with trio.open_nursery() as asking:
+                asking.start_soon(ask)
+                engine = await listeners[0].accept()
+                await engine.send_all(HEAD + _chunk(b"data: first\n\n"))
+            up = body_chunks(got["resp"])
+            assert isinstance(up, H11ResponseStream)
+            assert await up.__anext__() == b"data: first\n\n"
+            answer = Answer(BufferBudget(4 * STREAM_CAP))
+            client = Client(router_end)
+            pumped = pump.enter(answer, up, client, Downstream(PumpMachine._no_send))  # type: ignore[arg-type]
+            received = b""
+
+            async def read_until(count: int) -> bytes:
+                nonlocal received
+                while received.count(b"\n\n") < count:
+                    received += await test_end.recv(65536)
+                return received
+
+            events = [b"data: %d\n\n" % i for i in range(40)]
+            for event in events[:30]:  # 200 reads a second: past the rate that batches
+                await engine.send_all(_chunk(event))
+                await trio.sleep(0.005)
+            await read_until(30)
+            assert pump.batching
+            await trio.sleep(0.1 + 2 * max_delay)  # quiet for a rate window and a turn
+            assert not pump.batching
+            before = trio.current_time()
+            await engine.send_all(_chunk(events[30]))
+            await read_until(31)
+            assert trio.current_time() == before, "a quiet pump forwards on the socket's wakeup"
+            for event in events[31:]:
+                await engine.send_all(_chunk(event))
+            await engine.send_all(b"0\r\n\r\n")
+            assert await pump.carry(pumped) == FINISHED
+            payload, partial = _dechunk(await read_until(40))
+            assert payload == b"".join(events) and not partial
+            assert answer.ending == "no_done" and answer.releases == 1
+            nursery.cancel_scope.cancel()
+    up.close()
+    await engine.aclose()
+    await transport.aclose()
+    router_end.close()
+    test_end.close()
+    listeners[0].socket.close()

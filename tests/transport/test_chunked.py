@@ -79,3 +79,38 @@ def test_an_endless_size_line_is_refused() -> None:
     with pytest.raises(ChunkedError):
         for _ in range(10):
             body.feed(b"0" * 4000)
+
+
+def _fed_bytewise(wire: bytes) -> tuple[bytes, bool] | str:
+    body, out = ChunkedBody(), b""
+    try:
+        for i in range(len(wire)):
+            out += body.feed(wire[i : i + 1])
+    except ChunkedError:
+        return "refused"
+    return out, body.done
+
+
+def _fed_whole(wire: bytes) -> tuple[bytes, bool] | str:
+    body = ChunkedBody()
+    try:
+        out = body.feed(wire)
+    except ChunkedError:
+        return "refused"
+    return out, body.done
+
+
+@given(
+    size=st.none() | st.integers(min_value=0, max_value=300),
+    spelling=st.sampled_from(["%x", "%X", "%04x", "+%x", "0x%x", " %x", "%x ", "%x;e=1", "-%x"]),
+    payload=st.binary(max_size=300),
+    tail=st.sampled_from([b"\r\n", b"", b"\r", b"XY", b"\r\n3\r\nabc\r\n", b"\r\n0\r\n\r\n"]),
+)
+def test_a_read_of_one_whole_chunk_decodes_as_byte_by_byte_reads_do(
+    size: int | None, spelling: str, payload: bytes, tail: bytes
+) -> None:
+    """A read that is exactly one chunk takes a shorter path: the same payload, the same
+    refusals, whatever the size line says and whatever follows."""
+    size = len(payload) if size is None else size  # mostly the size the payload has
+    wire = (spelling % size).encode() + b"\r\n" + payload + tail
+    assert _fed_whole(wire) == _fed_bytewise(wire)

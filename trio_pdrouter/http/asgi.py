@@ -99,15 +99,15 @@ class Downstream:
         await self._out({"type": "http.response.start", "status": status, "headers": headers})
 
     async def chunk(self, data: bytes) -> None:
-        if self.first_chunk_at is None:
-            self.first_chunk_at = trio.current_time()
-        if data:
-            self.passed(data)
+        """Send ``data`` (non-empty) as body bytes, more to come."""
+        self.passed(data)
         await self._out({"type": "http.response.body", "body": data, "more_body": True})
 
     def passed(self, data: bytes) -> None:
         """``data`` (non-empty) is sent to the client: by :meth:`chunk`, or past hypercorn (the
         pump's writes)."""
+        if self.first_chunk_at is None:
+            self.first_chunk_at = trio.current_time()
         self.bytes_sent += len(data)
         self._before_last, self._last = self._last, data
 

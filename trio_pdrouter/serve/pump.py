@@ -2,20 +2,22 @@
 
 Token-paced, a stream relayed by its own task costs a trio wakeup per event (the socket's
 registration, the reschedule, the task switch, hypercorn's send path): more than the bytes. Once
-a stream's head and first event are out (sent by the request's task, so the time to the first
-token never waits for the pump), :class:`~.relay.DecodeRelay` hands it here and the request's
-task waits for its end. The pump polls every stream's engine socket in one ``epoll`` set of its
-own, and trio wakes it when that set has something ready: one wakeup moves whatever arrived on
-all streams.
+a stream's head is out and its first event read, :class:`~.relay.DecodeRelay` hands it here
+(the first event written at once, from the request's task, so the time to the first token
+never waits for the pump) and the request's task waits for its end. The pump polls every
+stream's engine socket in one ``epoll`` set of its own, and trio wakes it when that set has
+something ready: one wakeup moves whatever arrived on all streams.
 
 Rules:
 
-* **What it moves.** Upstream bodies read off the socket without waiting
+* **What it moves.** The events the request's task has read when it hands the stream over
+  (the first, written at once from that task), then upstream bodies read off the socket
+  without waiting
   (:meth:`~trio_pdrouter.transport.H11ResponseStream.read_now`: de-chunked), cut into whole SSE
   events by the stream's :class:`~trio_pdrouter.http.EventFramer` (the partial tail held back,
   ``[DONE]`` seen), written to the client's socket as HTTP/1.1 chunks, one chunk per read. Only
   an answer whose engine body is chunked and whose client response is chunked (an HTTP/1.1
-  client) comes here; hypercorn sends the head, the first event and the terminal chunk.
+  client) comes here; hypercorn sends the head and the terminal chunk.
 * **Never blocked by a client.** A write that does not take everything leaves the rest for
   when the socket is writable again (the client's descriptor is polled for that only then);
   what arrives meanwhile queues in the stream's :class:`~.buffers.RelayBuffer`, bounded per
@@ -32,9 +34,11 @@ Rules:
 * **Idle limit.** A stream whose engine sent nothing for ``idle_limit`` seconds ends with a read
   timeout; checked every ``idle_limit / 16`` seconds (at most every second).
 * **Batching.** Under light load the pump forwards at once. When recent traffic says that more
-  than :data:`BATCH_EVENTS` reads would arrive within ``max_delay``, it sleeps ``max_delay``
-  after each turn, so one wakeup carries many events: no event waits longer than ``max_delay``
-  plus one turn for it (``--relay-pump-max-delay-ms``; 0: never batches).
+  than :data:`BATCH_EVENTS` reads would arrive within ``max_delay``, it turns every
+  ``max_delay`` instead of at each wakeup, so one wakeup carries many events: no event waits
+  longer than ``max_delay`` plus one turn for it (``--relay-pump-max-delay-ms``; 0: never
+  batches). A turn that finds nothing costs one ``epoll`` call, and the rate it measures soon
+  turns batching off.
 * The stall watch (:mod:`.stalled`) sees a pumped stream as one send under way, finished each
   time a write makes progress, so a client that accepts nothing is cut as before.
 """
@@ -153,6 +157,11 @@ class Pump:
         """Streams the pump carries now."""
         return len(self._streams)
 
+    @property
+    def batching(self) -> bool:
+        """Whether the pump turns every ``max_delay`` now, not at each wakeup (module doc)."""
+        return self._max_delay > 0 and self._rate * self._max_delay > BATCH_EVENTS
+
     @staticmethod
     def can_carry(up: object, client: Connection | None) -> bool:
         """Whether a stream read from ``up`` and answered on ``client`` may come here."""
@@ -165,10 +174,16 @@ class Pump:
         )
 
     def enter(
-        self, answer: Answer, up: H11ResponseStream, client: Connection, down: Downstream
+        self,
+        answer: Answer,
+        up: H11ResponseStream,
+        client: Connection,
+        down: Downstream,
+        first: bytes = b"",
     ) -> Pumped:
         """The stream is the pump's from now (:meth:`can_carry` said it may be); wait for its
-        end with :meth:`carry`."""
+        end with :meth:`carry`. ``first``: whole events already read, written at once (from
+        the caller's task: the first token does not wait for a turn)."""
         p = Pumped(answer, up, client, down)
         self._streams.add(p)
         self._by_fd[p.up_fd] = p
@@ -176,6 +191,8 @@ class Pump:
         if self._idle_limit is not None:
             self._next_check = min(self._next_check, trio.current_time() + self._check_every)
         down.sending = True
+        if first:
+            self._send_now(p, first)
         return p
 
     async def carry(self, p: Pumped) -> str:
@@ -207,11 +224,14 @@ class Pump:
         epoll_fd = self._epoll.fileno()
         try:
             while True:
-                with trio.move_on_at(self._next_check):
-                    await trio.lowlevel.wait_readable(epoll_fd)
-                self.turn()
-                if self._max_delay > 0 and self._rate * self._max_delay > BATCH_EVENTS:
+                if self.batching:
+                    # Busy: reads are surely due by then, so the set is not waited on (one
+                    # trip through trio's scheduler a turn, not two).
                     await trio.sleep(self._max_delay)
+                else:
+                    with trio.move_on_at(self._next_check):
+                        await trio.lowlevel.wait_readable(epoll_fd)
+                self.turn()
         finally:
             self._epoll.close()
 
@@ -305,8 +325,9 @@ class Pump:
     def _write_piece(self, p: Pumped) -> bool:
         """Write what is left of the chunk under way; True once it is all written (else the
         client's socket is watched for room, or the client is gone)."""
+        piece, offset = p.piece, p.offset
         try:
-            written = os.write(p.client_fd, memoryview(p.piece)[p.offset :])
+            written = os.write(p.client_fd, memoryview(piece)[offset:] if offset else piece)
         except BlockingIOError:
             written = 0
         except OSError:
@@ -314,11 +335,12 @@ class Pump:
             return False
         if written:
             p.down.sends_done += 1
-            p.offset += written
-        if p.offset < len(p.piece):
+            offset += written
+        if offset < len(piece):
+            p.offset = offset
             self._watch_client(p)
             return False
-        p.piece = b""
+        p.piece, p.offset = b"", 0
         return True
 
     def _finish(self, p: Pumped, end: str) -> None:

@@ -21,9 +21,9 @@ The buffer is bounded in bytes, and so is the sum over all streams (:mod:`.buffe
 that falls further behind than either allows is treated as gone: the reader stops, which closes
 the upstream connection (so the engine aborts) and releases load.
 
-With a pump (:mod:`.pump`, the default), a pass-through stream goes there after its first event
-and the request's task waits for its end; the takeover above then only covers the head and the
-first event.
+With a pump (:mod:`.pump`, the default), a pass-through stream goes there once its first event
+is read (the pump writes it at once, from the request's task) and the request's task waits for
+its end; the takeover above then only covers the head.
 
 The idle limit (``stream_timeout.read``, the longest gap between two upstream reads) is one
 cancel scope per reading task (:class:`IdleDeadline`), not one per read: per token-paced event a
@@ -216,7 +216,7 @@ class DecodeRelay:
         takeover_after: float = TAKEOVER_AFTER,
     ) -> None:
         self._client = client
-        #: Carries pass-through streams after their first event (None: each request's task
+        #: Carries pass-through streams from their first event (None: each request's task
         #: relays its stream to the end).
         self._pump = pump
         self._first_byte_limit = first_byte_limit
@@ -356,23 +356,23 @@ class DecodeRelay:
         await down.start(200, [*headers, *req.routing_headers()])
         try:
             while answer.inline and (data := await answer.next(idle)) is not None:
+                pump = self._pump
+                if pump is not None and pump.can_carry(answer.chunks, conn):
+                    await self._pumped(answer, pump, data)
+                    return
                 buffer.passing(len(data))
                 await down.chunk(data)
-                pump = self._pump
-                if pump is not None and answer.inline and pump.can_carry(answer.chunks, conn):
-                    await self._pumped(answer, pump)
-                    return
         except (EventTooLarge, httpx.HTTPError) as exc:
             answer.ended_by(exc)
 
-    async def _pumped(self, answer: _Answer, pump: Pump) -> None:
-        """The rest of the stream goes through ``pump`` (:mod:`.pump`); the request's task
-        waits for its end."""
+    async def _pumped(self, answer: _Answer, pump: Pump, first: bytes) -> None:
+        """The rest of the stream, from the events ``first`` just read, goes through ``pump``
+        (:mod:`.pump`); the request's task waits for its end."""
         req, up, client = answer.req, answer.chunks, answer.req.connection
         assert isinstance(up, H11ResponseStream) and client is not None
         self._inline.discard(answer)  # never handed to a reader of its own now
         answer.leave_request_task()  # the pump keeps the idle limit
-        carried = pump.enter(answer, up, client, req.down)
+        carried = pump.enter(answer, up, client, req.down, first)
         req.on_cancel = lambda: pump.take_back(carried)
         if await pump.carry(carried) == CLIENT_GONE:
             req.client_lost()

