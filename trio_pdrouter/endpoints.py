@@ -24,7 +24,7 @@ class Role(enum.Enum):
     REGULAR = "regular"
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # hashed per request in every ledger and routing table
 class Endpoint:
     """One schedulable engine: a server URL, optionally one DP rank of it."""
 

@@ -29,6 +29,7 @@ from .http import (
     expose_connections,
     listening_sockets,
     make_client,
+    reuse_keep_alive_timers,
     serve_http1_only,
 )
 from .ledger import ClusterSync, LoadLedger, MachineLedger, Snapshot, connect, exchange_timeout
@@ -121,6 +122,7 @@ async def run_router(
     settled (:func:`trio_pdrouter.collector.settle`).
     """
     close_connections_when_clients_leave()
+    reuse_keep_alive_timers()
     serve_http1_only()
     expose_connections()
     # A worker of --workers N serves the supervisor's sockets (or no metrics listener).

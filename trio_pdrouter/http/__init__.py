@@ -21,6 +21,7 @@ from .errors import RouterError
 from .hypercorn_patches import (
     close_connections_when_clients_leave,
     expose_connections,
+    reuse_keep_alive_timers,
     serve_http1_only,
 )
 from .listen import BindError, listening_sockets
@@ -72,6 +73,7 @@ __all__ = [
     "passed_on",
     "post_capped",
     "read_capped",
+    "reuse_keep_alive_timers",
     "serve_http1_only",
     "stream_timeout",
     "with_default",

@@ -14,13 +14,18 @@ hypercorn as it is rather than fail.
   reaches the app as an ``HTTP/2.0`` request, which it answers 505.
 * :func:`expose_connections`: the app can cut its request's connection
   (:func:`~.connection.current_connection`; that module says why).
+* :func:`reuse_keep_alive_timers`: a connection's keep-alive timer is one task for the
+  connection's life (:class:`KeepAliveTimer`), not a task started after every response.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from typing import Any
 
 import h11
+import trio
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 
@@ -49,7 +54,11 @@ def close_connections_when_clients_leave() -> None:
         try:
             await original(self)
         finally:
-            await self.idle_task.stop()
+            timer = self.idle_task
+            if isinstance(timer, KeepAliveTimer):
+                timer.close()
+            else:
+                await timer.stop()
 
     _read_data._closes_idle_timer = True  # type: ignore[attr-defined]
     TCPServer._read_data = _read_data  # type: ignore[method-assign]
@@ -86,3 +95,78 @@ def expose_connections() -> None:
 
     run._exposes_connection = True  # type: ignore[attr-defined]
     TCPServer.run = run  # type: ignore[method-assign]
+
+
+class KeepAliveTimer:
+    """A connection's keep-alive timer: one task for the connection's life, re-armed by moving
+    a deadline. It stands in for hypercorn's idle task, which hypercorn starts anew (a task
+    through ``nursery.start``, with its cancel scopes) after every response and cancels at every
+    request: the largest part of what hypercorn spends per request besides parsing and sending.
+
+    The rules are hypercorn's: an idle connection (between :meth:`restart`, after a response,
+    and :meth:`stop`, at the next request) is closed ``keep_alive_timeout`` seconds after it
+    went idle, or at once when the server shuts down; a busy one never is (hypercorn closes it
+    after its answer when the server is shutting down). :meth:`close` ends the timer with its
+    connection.
+    """
+
+    __slots__ = ("_closed", "_idle", "_scope", "_server")
+
+    def __init__(self, server: TCPServer) -> None:
+        self._server = server
+        self._scope: trio.CancelScope | None = None
+        self._idle = False
+        self._closed = False
+
+    async def restart(self, task_group: Any, action: Any) -> None:
+        """The connection is idle from now (hypercorn's call; ``action`` is its own close)."""
+        self._idle = True
+        deadline = trio.current_time() + self._server.config.keep_alive_timeout
+        if self._scope is None:
+            self._scope = trio.CancelScope(deadline=deadline)
+            task_group._nursery.start_soon(self._watch, self._scope)
+        else:
+            self._scope.deadline = deadline
+
+    async def stop(self) -> None:
+        """The connection is busy from now."""
+        self._idle = False
+        if self._scope is not None:
+            self._scope.deadline = math.inf
+
+    def close(self) -> None:
+        """The connection has ended: so does the timer."""
+        self._closed = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def _watch(self, scope: trio.CancelScope) -> None:
+        with scope:
+            await self._server.context.terminated.wait()
+            if not self._idle:
+                await trio.sleep_forever()  # busy: hypercorn closes it after its answer
+        if self._closed:
+            return
+        with trio.CancelScope(shield=True):
+            await self._server._initiate_server_close()
+
+
+def reuse_keep_alive_timers() -> None:
+    """Give every connection a :class:`KeepAliveTimer` for its idle task. Needs
+    :func:`close_connections_when_clients_leave` first: its end of reading closes the timer."""
+    original = TCPServer.__init__
+    if getattr(original, "_keeps_one_timer", False):
+        return
+    read_data = getattr(TCPServer, "_read_data", None)
+    if not getattr(read_data, "_closes_idle_timer", False) or not hasattr(
+        TCPServer, "_initiate_server_close"
+    ):
+        log.warning("hypercorn changed: keep-alive timers stay a task per response")
+        return
+
+    def __init__(self: TCPServer, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.idle_task = KeepAliveTimer(self)  # type: ignore[assignment]
+
+    __init__._keeps_one_timer = True  # type: ignore[attr-defined]
+    TCPServer.__init__ = __init__  # type: ignore[method-assign]
