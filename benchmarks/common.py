@@ -62,6 +62,21 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
+def histogram_percentile(counts: Sequence[int], bucket: float, q: float) -> float:
+    """The ``q`` quantile (0..1) of a histogram of ``bucket``-wide counts from 0, by nearest
+    rank, as the bucket's upper edge; NaN for no values."""
+    total = sum(counts)
+    if not total:
+        return math.nan
+    rank = min(total, max(1, math.ceil(q * total)))
+    seen = 0
+    for i, n in enumerate(counts):
+        seen += n
+        if seen >= rank:
+            return (i + 1) * bucket
+    return len(counts) * bucket
+
+
 def median(values: Sequence[float]) -> float:
     """The median of the finite ``values``; NaN if there are none."""
     finite = [v for v in values if v is not None and not math.isnan(v)]

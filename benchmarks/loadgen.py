@@ -14,7 +14,9 @@ the results as JSON in ``--out``:
 the window; ``first_bytes`` seconds to the first body byte of every request whose first byte
 arrived in the window, finished or not (time to first token when streams outlast the
 window); ``ok`` / ``failed`` / ``errors`` (by kind) over the window; ``events`` SSE events
-received in the window; ``window_s`` the window's real length, ``window_start_s`` when it
+received in the window; ``gaps`` the times between a stream's successive reads that brought
+events, in the window, as counts per 0.1 ms (the last count: 200 ms or more); ``window_s`` the
+window's real length, ``window_start_s`` when it
 opened (seconds after the start); ``open_streams_peak`` the most requests in flight at once.
 With ``--log-requests``, ``requests`` lists every request that ended, measured or not, as
 ``[priority, started, first byte, ended, status]`` in seconds of the system's monotonic clock
@@ -99,6 +101,11 @@ def prompt_text(rng: random.Random, chars: int, head: str) -> str:
     return " ".join(words)[:chars] if chars else head
 
 
+#: The event-gap histogram: 0.1 ms buckets up to 200 ms.
+GAP_BUCKET_S = 0.0001
+GAP_BUCKETS = 2000
+
+
 class Results:
     def __init__(self) -> None:
         self.measuring = False
@@ -109,6 +116,10 @@ class Results:
         self.failed = 0
         self.errors: dict[str, int] = {}
         self.events = 0
+        #: Gaps between a stream's successive reads that brought events, in the window, as
+        #: counts per GAP_BUCKET_S (the last bucket: that long or longer): how events are paced
+        #: as the client sees them.
+        self.gaps = [0] * GAP_BUCKETS
         self.in_flight = 0
         self.open_streams_peak = 0
         self.clients = 0
@@ -128,6 +139,7 @@ class Results:
             "failed": self.failed,
             "errors": self.errors,
             "events": self.events,
+            "gaps": self.gaps,
             "window_s": window_s,
             "window_start_s": window_start_s,
             "open_streams_peak": self.open_streams_peak,
@@ -167,6 +179,7 @@ async def client_loop(
             async with client.stream("POST", url, content=body, headers=headers) as resp:
                 status = resp.status_code
                 last = b""
+                last_event_at: float | None = None
                 async for chunk in resp.aiter_raw():
                     if first is None:
                         first = trio.current_time() - started
@@ -179,6 +192,12 @@ async def client_loop(
                     # split across two reads.
                     n = (last + chunk).count(b"\n\n")
                     last = chunk[-1:]
+                    if n:
+                        now = trio.current_time()
+                        if results.measuring and last_event_at is not None:
+                            bucket = int((now - last_event_at) / GAP_BUCKET_S)
+                            results.gaps[min(bucket, GAP_BUCKETS - 1)] += 1
+                        last_event_at = now
                     if results.measuring:
                         results.events += n
             error = None if status == 200 else f"http {status}"

@@ -33,7 +33,8 @@ from typing import Any
 
 import httpx
 
-from .common import Context, latency_summary, median, percentile, run_load
+from .common import Context, histogram_percentile, latency_summary, median, percentile, run_load
+from .loadgen import GAP_BUCKET_S
 from .procs import ProcessSet, Service, free_port, start_router, start_sim, wait_ready
 from .procs import wait_sims_idle as _wait_idle
 
@@ -142,6 +143,10 @@ def _measure(
                         "req_per_s": lat["req_per_s"],
                         "ttft_p50_ms": percentile(ttft, 0.50) * 1e3,
                         "ttft_p99_ms": percentile(ttft, 0.99) * 1e3,
+                        # How the client saw events paced (the engine's: ITL_S apart).
+                        "gap_p50_ms": histogram_percentile(raw["gaps"], GAP_BUCKET_S, 0.5) * 1e3,
+                        "gap_p99_ms": histogram_percentile(raw["gaps"], GAP_BUCKET_S, 0.99) * 1e3,
+                        "gap_p999_ms": histogram_percentile(raw["gaps"], GAP_BUCKET_S, 0.999) * 1e3,
                         "started_per_s": len(ttft) / window,
                         "failed": float(raw["failed"]),
                         "router_peak_rss_mb": raw["router_peak_rss"] / 2**20,

@@ -319,6 +319,9 @@ class LoadRun:
             merged["first_bytes"] += part["first_bytes"]
             for key in ("ok", "failed", "events", "open_streams_peak"):
                 merged[key] += part[key]
+            gaps = merged.setdefault("gaps", [0] * len(part["gaps"]))
+            for i, n in enumerate(part["gaps"]):
+                gaps[i] += n
             for kind, n in part["errors"].items():
                 merged["errors"][kind] = merged["errors"].get(kind, 0) + n
             merged["window_s"] = max(merged["window_s"], part["window_s"])

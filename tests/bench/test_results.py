@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from benchmarks.common import scenario_results, table_cell
+import pytest
+
+from benchmarks.common import histogram_percentile, scenario_results, table_cell
 
 
 def test_a_scenarios_results_are_its_dated_files_oldest_first(tmp_path: Path) -> None:
@@ -32,3 +35,13 @@ def test_a_table_cell_shows_raw_bytes_escaped_and_keeps_the_table_whole() -> Non
     assert table_cell("\x00\x00\x12\x04 x1, ok") == "\\x00\\x00\\x12\\x04 x1, ok"
     assert table_cell("a | b") == "a \\| b"
     assert table_cell("1,234 / 5 µs") == "1,234 / 5 µs"
+
+
+def test_a_histogram_percentile_is_the_upper_edge_of_the_bucket_holding_its_rank() -> None:
+    counts = [0, 3, 0, 6, 1]  # 10 values in 1 ms buckets: (1,2] x3, (3,4] x6, (4,5] x1
+    assert histogram_percentile(counts, 0.001, 0.3) == pytest.approx(0.002)
+    assert histogram_percentile(counts, 0.001, 0.31) == pytest.approx(0.004)
+    assert histogram_percentile(counts, 0.001, 0.9) == pytest.approx(0.004)
+    assert histogram_percentile(counts, 0.001, 0.99) == pytest.approx(0.005)
+    assert histogram_percentile(counts, 0.001, 0.0) == pytest.approx(0.002)
+    assert math.isnan(histogram_percentile([0, 0], 0.001, 0.5))
