@@ -27,6 +27,7 @@ and ``BENCH_PACED_REPEATS=N`` narrow or lengthen a run.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -92,11 +93,28 @@ def _targets(
         targets["ours (baseline)"] = start_router(
             procs, f"baseline-{mode}", "ours", ours_flags, cwd=Path(baseline)
         )
+        note = f"ours (baseline): the router of {_checkout(Path(baseline))}"
+        if note not in notes:  # once for both modes
+            notes.append(note)
     if ctx.vllm_router:
         targets["vllm-router"] = start_router(procs, f"vllm-{mode}", "vllm", ours_flags)
     elif mode == "regular":
         notes.append(ctx.note_vllm_missing())
     return targets
+
+
+def _checkout(path: Path) -> str:
+    """``path``, with its git commit when it is a git checkout."""
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(path), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return str(path)
+    return f"{path} (commit {commit})"
 
 
 def _measure(

@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -417,8 +419,13 @@ class PumpMachine(RuleBasedStateMachine):
 TestPump = PumpMachine.TestCase
 
 
-async def test_an_answer_whose_end_came_with_its_first_event_is_not_pumped() -> None:
-    """Nothing more would arrive on its socket to wake the pump: the relay reads it to its end."""
+@asynccontextmanager
+async def engine_stream(
+    wire: bytes,
+) -> AsyncIterator[tuple[trio.SocketStream, H11ResponseStream, Client, trio.socket.SocketType]]:
+    """One answer from a scripted engine that first writes ``HEAD`` and ``wire``: the engine's
+    end, the response stream, the router's end of a client socket pair (a :class:`Client`)
+    and the client's own end; all closed afterwards."""
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
     transport = H11Transport()
@@ -432,20 +439,29 @@ async def test_an_answer_whose_end_came_with_its_first_event_is_not_pumped() -> 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ask)
         engine = await listeners[0].accept()
-        await engine.send_all(HEAD + _chunk(b"data: first\n\n" + DONE) + b"0\r\n\r\n")
+        await engine.send_all(HEAD + wire)
     up = body_chunks(got["resp"])
     assert isinstance(up, H11ResponseStream)
-    client = Client(router_end)
-    assert await up.__anext__() == b"data: first\n\n" + DONE
-    assert not Pump.can_carry(up, client)  # type: ignore[arg-type]
-    assert up.at_end
-    with pytest.raises(StopAsyncIteration):
-        await up.__anext__()
-    await engine.aclose()
-    await transport.aclose()
-    listeners[0].socket.close()
-    router_end.close()
-    test_end.close()
+    try:
+        yield engine, up, Client(router_end), test_end
+    finally:
+        up.close()
+        await engine.aclose()
+        await transport.aclose()
+        listeners[0].socket.close()
+        router_end.close()
+        test_end.close()
+
+
+async def test_an_answer_whose_end_came_with_its_first_event_is_not_pumped() -> None:
+    """Nothing more would arrive on its socket to wake the pump: the relay reads it to its end."""
+    wire = _chunk(b"data: first\n\n" + DONE) + b"0\r\n\r\n"
+    async with engine_stream(wire) as (_, up, client, _):
+        assert await up.__anext__() == b"data: first\n\n" + DONE
+        assert not Pump.can_carry(up, client)  # type: ignore[arg-type]
+        assert up.at_end
+        with pytest.raises(StopAsyncIteration):
+            await up.__anext__()
 
 
 async def test_a_busy_pump_turns_on_its_clock_and_waits_on_its_set_again_once_quiet(
@@ -457,30 +473,18 @@ async def test_a_busy_pump_turns_on_its_clock_and_waits_on_its_set_again_once_qu
     once (without the clock moving: the pump woke on the socket, not on its clock)."""
     max_delay = 0.05  # batches past 4 / 0.05 = 80 reads a second
     pump = Pump(max_delay=max_delay, idle_limit=None)
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    port = listeners[0].socket.getsockname()[1]
-    transport = H11Transport()
-    router_end, test_end = trio.socket.socketpair()
-    got: dict[str, httpx.Response] = {}
-
-    async def ask() -> None:
-        request = httpx.Request("POST", f"http://127.0.0.1:{port}/v1/completions", content=b"{}")
-        got["resp"] = await transport.handle_async_request(request)
-
-    with trio.fail_after(10):  # virtual seconds: a pump that stops turning fails, not hangs
-        async with trio.open_nursery() as nursery:
+    received = b""
+    # Virtual seconds: a pump that stops turning fails, not hangs.
+    with trio.fail_after(10):
+        async with (
+            engine_stream(_chunk(b"data: first\n\n")) as (engine, up, client, test_end),
+            trio.open_nursery() as nursery,
+        ):
             nursery.start_soon(pump.run)
-            async with trio.open_nursery() as asking:
-                asking.start_soon(ask)
-                engine = await listeners[0].accept()
-                await engine.send_all(HEAD + _chunk(b"data: first\n\n"))
-            up = body_chunks(got["resp"])
-            assert isinstance(up, H11ResponseStream)
             assert await up.__anext__() == b"data: first\n\n"
             answer = Answer(BufferBudget(4 * STREAM_CAP))
-            client = Client(router_end)
-            pumped = pump.enter(answer, up, client, Downstream(PumpMachine._no_send))  # type: ignore[arg-type]
-            received = b""
+            down = Downstream(PumpMachine._no_send)
+            pumped = pump.enter(answer, up, client, down)  # type: ignore[arg-type]
 
             async def read_until(count: int) -> bytes:
                 nonlocal received
@@ -508,9 +512,3 @@ async def test_a_busy_pump_turns_on_its_clock_and_waits_on_its_set_again_once_qu
             assert payload == b"".join(events) and not partial
             assert answer.ending == "no_done" and answer.releases == 1
             nursery.cancel_scope.cancel()
-    up.close()
-    await engine.aclose()
-    await transport.aclose()
-    router_end.close()
-    test_end.close()
-    listeners[0].socket.close()
