@@ -16,8 +16,8 @@ arrived in the window, finished or not (time to first token when streams outlast
 window); ``ok`` / ``failed`` / ``errors`` (by kind) over the window; ``events`` SSE events
 received in the window; ``gaps`` the times between a stream's successive reads that brought
 events, in the window, as counts per 0.1 ms (the last count: 200 ms or more); ``window_s`` the
-window's real length, ``window_start_s`` when it
-opened (seconds after the start); ``open_streams_peak`` the most requests in flight at once.
+window's real length, ``window_start_s`` when it opened (seconds after the start);
+``open_streams_peak`` the most requests in flight at once.
 With ``--log-requests``, ``requests`` lists every request that ended, measured or not, as
 ``[priority, started, first byte, ended, status]`` in seconds of the system's monotonic clock
 (``time.monotonic``, the same in every process; first byte None if none came), so a parent can
