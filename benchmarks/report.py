@@ -332,7 +332,9 @@ def _paced(data: dict[str, Any]) -> list[str]:
         f"over the window; median of {s['repeats']} interleaved runs of {s['seconds']} s. "
         "*x floor* divides by the floor's figure in the same run. *floor, write at once* (an "
         "experiment, `benchmarks/hypercorn_send.py`) is the same floor on a hypercorn whose send "
-        "path skips its lock and checkpoints: what a change to hypercorn would save.",
+        "path skips its lock and checkpoints: what a change to hypercorn would save. "
+        "*ours (baseline)*, when present, is the router of another checkout in the same rounds "
+        "(`BENCH_BASELINE`; the notes below name it when the run recorded it).",
         "",
     ]
     for mode, title in (("regular", "regular mode, 200-token streams"), ("pd", "PD mode")):
