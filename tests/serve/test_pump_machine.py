@@ -484,7 +484,7 @@ async def test_a_busy_pump_turns_on_its_clock_and_waits_on_its_set_again_once_qu
             assert await up.__anext__() == b"data: first\n\n"
             answer = Answer(BufferBudget(4 * STREAM_CAP))
             down = Downstream(PumpMachine._no_send)
-            pumped = pump.enter(answer, up, client, down)  # type: ignore[arg-type]
+            pumped = pump.enter(answer, up, client, down, b"")  # type: ignore[arg-type]
 
             async def read_until(count: int) -> bytes:
                 nonlocal received

@@ -179,11 +179,11 @@ class Pump:
         up: H11ResponseStream,
         client: Connection,
         down: Downstream,
-        first: bytes = b"",
+        first: bytes,
     ) -> Pumped:
         """The stream is the pump's from now (:meth:`can_carry` said it may be); wait for its
-        end with :meth:`carry`. ``first``: whole events already read, written at once (from
-        the caller's task: the first token does not wait for a turn)."""
+        end with :meth:`carry`. ``first``: whole events already read and not yet sent (may be
+        empty), written at once from the caller's task, so the first token waits for no turn."""
         p = Pumped(answer, up, client, down)
         self._streams.add(p)
         self._by_fd[p.up_fd] = p

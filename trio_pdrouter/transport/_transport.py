@@ -164,13 +164,10 @@ class H11ResponseStream(httpx.AsyncByteStream):
         the clean end, which hands the connection back as ``__anext__`` does. For a caller
         that polls :meth:`polled_fd` itself; any error closes the connection, as in
         ``__anext__``."""
-        if self._state == _OPEN:
-            conn = self._conn
-        else:
-            try:
-                conn = self._open_conn()  # raises, or says the end was read
-            except StopAsyncIteration:
-                return None
+        try:
+            conn = self._open_conn()
+        except StopAsyncIteration:
+            return None
         try:
             chunk = conn.read_chunked_now(self._request)
         except BaseException:
